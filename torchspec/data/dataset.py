@@ -1,0 +1,183 @@
+"""Training examples, the held-out split, batch collation and a resumable batch sampler.
+
+``build_datasets`` turns a conversation file into tokenized ``Example``s and splits off a
+held-out set fixed by a seed. ``ResumableBatchSampler`` yields batches of example indices
+forever, epoch after epoch; its ``state_dict`` (epoch, position) is what a checkpoint stores so
+that a resumed run sees exactly the batches an uninterrupted run would have seen.
+``shard_for_rank`` gives each data-parallel rank its share of a global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import closing
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from torchspec.data.formats import SkipConversation, SkipStats, iter_conversations
+from torchspec.data.template import tokenize_conversation
+
+
+@dataclass
+class Example:
+    """One tokenized conversation: ``input_ids`` and ``loss_mask``, both long ``[T]``."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.numel()
+
+
+def build_datasets(
+    path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    fmt: str = "auto",
+    max_length: int,
+    eval_size: int,
+    seed: int,
+    max_conversations: int | None,
+    on_too_long: str = "truncate",
+    chat_template: str | None = None,
+) -> tuple[list[Example], list[Example], SkipStats]:
+    """Read, tokenize and split ``path`` into ``(train, eval, stats)``.
+
+    ``max_conversations`` caps the number of examples that survive tokenization (reading stops
+    once it is reached), so ``max_conversations=2000`` gives 2000 examples unless the file runs
+    out. The held-out set is ``eval_size`` examples chosen by a permutation seeded with ``seed``
+    alone (its own generator, not the global RNG): the same file, settings and seed always give
+    the same split. Both lists keep file order. ``chat_template``, if given, replaces the
+    tokenizer's own template (it is set on the tokenizer). ``stats.kept`` counts the examples.
+    """
+    if eval_size < 0:
+        raise ValueError(f"eval_size={eval_size} must be >= 0")
+    if max_conversations is not None and max_conversations < eval_size + 1:
+        raise ValueError(
+            f"max_conversations={max_conversations} leaves no training example after eval_size={eval_size}; "
+            f"raise max_conversations above {eval_size} or lower eval_size"
+        )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+
+    stats = SkipStats()
+    examples: list[Example] = []
+    with closing(iter_conversations(path, fmt, stats)) as conversations:
+        for messages in conversations:
+            try:
+                ids, mask = tokenize_conversation(tokenizer, messages, max_length, on_too_long)
+            except SkipConversation as skip:
+                stats.skip(skip.reason)
+                continue
+            examples.append(Example(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)))
+            if max_conversations is not None and len(examples) >= max_conversations:
+                break
+    stats.kept = len(examples)
+
+    if len(examples) < eval_size + 1:
+        raise ValueError(
+            f"only {len(examples)} examples survived from {path!r}, fewer than eval_size + 1 = {eval_size + 1} "
+            f"({stats.summary()}); use a larger file, a smaller eval_size, or a larger max_length"
+        )
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    held_out = set(order[:eval_size])
+    train = [e for i, e in enumerate(examples) if i not in held_out]
+    evaluation = [e for i, e in enumerate(examples) if i in held_out]
+    return train, evaluation, stats
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a batch to its longest example.
+
+    Returns long tensors ``input_ids`` (``pad_id`` on padding), ``loss_mask`` (0 on padding)
+    and ``attention_mask`` (1 on real tokens), all ``[B, T]`` with ``T`` the longest length.
+    """
+    assert examples, "collate needs at least one example"
+    lengths = [len(e) for e in examples]
+    batch, longest = len(examples), max(lengths)
+    input_ids = torch.full((batch, longest), pad_id, dtype=torch.long)  # [B, T]
+    loss_mask = torch.zeros((batch, longest), dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros((batch, longest), dtype=torch.long)  # [B, T]
+    for row, (example, length) in enumerate(zip(examples, lengths)):
+        input_ids[row, :length] = example.input_ids
+        loss_mask[row, :length] = example.loss_mask
+        attention_mask[row, :length] = 1
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+
+
+class ResumableBatchSampler:
+    """Batches of example indices, forever, resumable from ``state_dict``.
+
+    Epoch ``e`` is the permutation ``torch.randperm(num_examples, generator=Generator().manual_seed(seed + e))``
+    cut into ``num_examples // batch_size`` full batches (the incomplete last batch is dropped).
+    The state is only ``(epoch, position)``, position = batches already taken in this epoch, because
+    every epoch's order is a pure function of the seed: nothing else needs to be saved.
+    """
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if batch_size > num_examples:
+            raise ValueError(
+                f"batch_size={batch_size} is larger than the {num_examples} training examples, so no full "
+                "batch exists; lower the batch size or use more data (max_conversations)"
+            )
+        self.num_examples = num_examples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.batches_per_epoch = num_examples // batch_size
+        self._epoch = 0
+        self._position = 0
+        self._order: list[int] | None = None  # permutation of the current epoch, built lazily
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from (0-based)."""
+        return self._epoch
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None:
+            generator = torch.Generator().manual_seed(self.seed + self._epoch)
+            self._order = torch.randperm(self.num_examples, generator=generator).tolist()
+        return self._order
+
+    def next_batch(self) -> list[int]:
+        start = self._position * self.batch_size
+        batch = self._epoch_order()[start : start + self.batch_size]
+        self._position += 1
+        if self._position == self.batches_per_epoch:
+            self._epoch, self._position, self._order = self._epoch + 1, 0, None
+        return batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if set(state) != {"epoch", "position"}:
+            raise ValueError(f"sampler state has keys {sorted(state)}; expected ['epoch', 'position']")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < self.batches_per_epoch:
+            raise ValueError(
+                f"sampler state epoch={epoch}, position={position} is out of range for "
+                f"{self.batches_per_epoch} batches per epoch (num_examples={self.num_examples}, "
+                f"batch_size={self.batch_size}); was it saved with a different dataset or batch size?"
+            )
+        self._epoch, self._position, self._order = epoch, position, None
+
+
+def shard_for_rank(indices: list[int], rank: int, world: int) -> list[int]:
+    """Rank ``rank``'s strided share ``indices[rank::world]`` of a global batch."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} is outside [0, world={world})")
+    if len(indices) % world:
+        raise ValueError(
+            f"a batch of {len(indices)} indices does not split evenly over world={world} ranks; "
+            f"choose a batch size divisible by {world}"
+        )
+    return indices[rank::world]

@@ -1,0 +1,76 @@
+"""Strict drafter configs: every architecture flag is documented, written to config.json with
+its meaning, and read back; unknown or missing keys are errors that name them (contract 6).
+
+A drafter config subclasses ``StrictDrafterConfig`` and declares ``ARCH_FIELDS``: an ordered
+mapping ``name -> (default, meaning)``. ``to_dict`` adds ``flag_meanings`` (the same meanings,
+for humans and other runtimes reading the export); ``from_dict`` rejects keys it does not know
+and keys it needs but does not find, instead of silently dropping or defaulting them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from transformers import PretrainedConfig
+
+# Keys transformers itself writes into every config.json; they are accepted and ignored.
+_HF_BOOKKEEPING = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+    "auto_map", "flag_meanings", "return_dict", "output_hidden_states", "use_cache", "tie_word_embeddings",
+    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
+    "tokenizer_class", "prefix", "bos_token_id", "pad_token_id", "eos_token_id", "sep_token_id",
+    "decoder_start_token_id", "task_specific_params", "finetuning_task", "output_attentions",
+    "torchscript", "pruned_heads", "cross_attention_hidden_size", "add_cross_attention",
+    "tf_legacy_loss", "use_bfloat16", "_attn_implementation_autoset", "_attn_implementation",
+    "_experts_implementation", "is_decoder", "output_scores", "return_dict_in_generate",
+}
+
+
+class StrictDrafterConfig(PretrainedConfig):
+    ARCH_FIELDS: ClassVar[dict[str, tuple[Any, str]]] = {}
+    # Fields that must be given explicitly (no sensible default: they come from the target).
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any):
+        # transformers >= 5 turns every config subclass into a dataclass with a generated
+        # __init__; keep ours, which is what makes ARCH_FIELDS the single source of truth.
+        super().__init_subclass__(**kwargs)
+        cls.__init__ = StrictDrafterConfig.__init__
+
+    def __init__(self, **kwargs: Any):
+        arch = {name: kwargs.pop(name, default) for name, (default, _) in self.ARCH_FIELDS.items()}
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+        for name, value in arch.items():
+            setattr(self, name, value)
+        self.validate()
+
+    def validate(self) -> None:
+        """Override to reject incompatible flag combinations (raise ValueError)."""
+
+    @classmethod
+    def check_keys(cls, config_dict: dict[str, Any], source: str) -> None:
+        keys = set(config_dict)
+        unknown = sorted(keys - set(cls.ARCH_FIELDS) - _HF_BOOKKEEPING)
+        missing = sorted(set(cls.ARCH_FIELDS) - keys)
+        problems = []
+        if unknown:
+            problems.append(f"unknown keys {unknown}")
+        if missing:
+            problems.append(f"missing keys {missing}")
+        if problems:
+            raise ValueError(
+                f"{cls.__name__} from {source}: {' and '.join(problems)}. This config was written by a "
+                f"different torchspec version or edited by hand; fix the keys (see the config "
+                f"reference in docs/configuration.md) rather than relying on defaults."
+            )
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any):
+        cls.check_keys(config_dict, source="config dict")
+        return super().from_dict(config_dict, **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["flag_meanings"] = {name: meaning for name, (_, meaning) in self.ARCH_FIELDS.items()}
+        return out

@@ -1,0 +1,151 @@
+"""The EAGLE-4 drafter: fc-norm fusion, eh_proj, one decoder layer, normalised feedback, LM head.
+
+Data flow of one drafting step (H = target hidden size, V = target vocabulary):
+
+    step 0 hidden:  g = post_norm( fc( cat(norm_lo(h_lo), norm_mid(h_mid), norm_hi(h_hi)) ) )  3H -> H
+    every step:     x = eh_proj( cat(embed_norm(E[token]), hidden_norm(g)) )                    2H -> H
+                    x = x + attn( input_layernorm(x) )          (GQA, RoPE)
+                    x = x + mlp( post_attention_layernorm(x) )  (dense SwiGLU)
+                    y = norm(x);  logits = lm_head(y)
+    next step:      g = y if norm_output else x                 (EAGLE-3.1 "normalised feedback")
+
+``fc_norm`` (three separate RMSNorms before fc) and ``fc_post_norm`` (an RMSNorm right after fc)
+are separate flags because the EAGLE-4 description's "post-norm" admits both readings; the
+``eagle4`` preset enables both plus ``norm_output`` (see docs/architecture.md for why).
+The token embedding E is the target's, frozen.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from torchspec.models.config_base import StrictDrafterConfig
+from torchspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class Eagle4Config(StrictDrafterConfig):
+    model_type = "torchspec_eagle4"
+    ARCH_FIELDS = {
+        "vocab_size": (None, "target vocabulary size; the embedding and LM head cover all of it"),
+        "hidden_size": (None, "drafter width H, equal to the target hidden size"),
+        "num_attention_heads": (None, "query heads of the decoder layer"),
+        "num_key_value_heads": (None, "key/value heads of the decoder layer (GQA)"),
+        "head_dim": (None, "per-head dimension"),
+        "intermediate_size": (None, "SwiGLU MLP inner width"),
+        "rms_norm_eps": (1e-6, "epsilon of every RMSNorm"),
+        "rope_theta": (10000.0, "RoPE base; positions of TTT step k at base position t are t + k"),
+        "max_position_embeddings": (4096, "longest context the drafter is configured for"),
+        "aux_layer_ids": (None, "target layers captured, 0-indexed, residual stream AFTER the layer"),
+        "target_num_layers": (None, "decoder layers of the target the drafter was trained on"),
+        "fc_norm": (True, "RMS-normalise each of the three captured states separately before fc"),
+        "fc_post_norm": (True, "RMSNorm applied right after fc (3H -> H), before the first step"),
+        "norm_output": (True, "feed the final-normalised layer output back as the next step's hidden "
+                        "(EAGLE-3.1 normalised feedback); False feeds the pre-norm residual stream"),
+        "pre_attn_norm": (True, "RMSNorm between eh_proj and attention (input_layernorm)"),
+    }
+    REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "aux_layer_ids", "target_num_layers")
+
+    def validate(self) -> None:
+        missing = [name for name in self.REQUIRED if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"Eagle4Config: {missing} must be set (they come from the target config).")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Eagle4Config: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; choose heads that divide."
+            )
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"Eagle4Config: aux_layer_ids={self.aux_layer_ids} must hold 3 layer ids.")
+
+
+class Eagle4DecoderLayer(nn.Module):
+    def __init__(self, cfg: Eagle4Config):
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps) if cfg.pre_attn_norm else nn.Identity()
+        self.self_attn = Attention(h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(h, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle4Drafter(PreTrainedModel):
+    config_class = Eagle4Config
+    base_model_prefix = "drafter"
+    _supports_sdpa = False
+
+    def __init__(self, config: Eagle4Config):
+        super().__init__(config)
+        h, v, eps = config.hidden_size, config.vocab_size, config.rms_norm_eps
+        self.embed_tokens = nn.Embedding(v, h)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
+        self.fc_norms = nn.ModuleList(RMSNorm(h, eps) for _ in range(3)) if config.fc_norm else None
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.fc_post_norm = RMSNorm(h, eps) if config.fc_post_norm else nn.Identity()
+        self.embed_norm = RMSNorm(h, eps)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.layer = Eagle4DecoderLayer(config)
+        self.norm = RMSNorm(h, eps)
+        self.lm_head = nn.Linear(h, v, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, RotaryEmbedding):
+            # Buffers are not persistent: recompute after meta/empty initialisation.
+            d = self.config.head_dim
+            module.inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2).float() / d))
+
+    def fuse_target_states(self, aux_hidden_states: list[torch.Tensor]) -> torch.Tensor:
+        """3 x [B, T, H] captured target states -> step-0 hidden [B, T, H]."""
+        if self.fc_norms is not None:
+            aux_hidden_states = [norm(h) for norm, h in zip(self.fc_norms, aux_hidden_states)]
+        return self.fc_post_norm(self.fc(torch.cat(aux_hidden_states, dim=-1)))
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step over all positions.
+
+        input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T].
+        Returns (normed [B, T, H] -> feed ``lm_head``; feedback [B, T, H] -> next step's hidden).
+        """
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)
+        x = self.eh_proj(torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], dim=-1))
+        cos, sin = self.rotary.cos_sin(positions)
+        x = self.layer(x, cos, sin, kv_cache)
+        normed = self.norm(x)
+        return normed, (normed if self.config.norm_output else x)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] logits over the full target vocabulary."""
+        return self.lm_head(normed)
+
+    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """EAGLE-4 drafts in the target vocabulary: the identity map (cf. EAGLE-3's d2t)."""
+        return draft_ids
+
+    @torch.no_grad()
+    def init_from_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                         init_lm_head: bool = True) -> None:
+        """Copy the target's embedding (frozen) and, if asked, its LM head as the drafter head's start."""
+        self.embed_tokens.weight.copy_(embed_weight)
+        if init_lm_head:
+            self.lm_head.weight.copy_(lm_head_weight)

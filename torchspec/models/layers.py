@@ -1,0 +1,145 @@
+"""Building blocks shared by the drafters: RMSNorm, rotary embeddings, SwiGLU MLP and the
+training-time-test (TTT) attention.
+
+TTT attention is the one unusual piece. During the K-step unroll (see ``torchspec/train/ttt.py``)
+the query of step k at position t attends to
+
+* the keys of step 0 at positions <= t (ordinary causal attention over the sequence), and
+* the keys of steps 1..k at position t only (the "diagonal": the drafter's own earlier guesses
+  for this position, exactly what its KV cache holds when it drafts k tokens ahead in serving).
+
+So the step-0 part is a [T, T] causal block and every later step adds a single column per query.
+``ttt_attention`` computes both parts and one softmax over them; memory does not grow with k
+beyond one column per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (as Llama/Qwen do), weight applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE; ``cos_sin(positions)`` returns [..., T, head_dim] tables."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D]
+        return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, kv_heads, T, D] -> [B, kv_heads * groups, T, D] for grouped-query attention."""
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """Attention of TTT step k = len(keys) - 1.
+
+    q: [B, h, T, D]; keys[j], values[j]: [B, h, T, D] (already GQA-expanded) for steps j = 0..k.
+    keys[0] is attended causally over positions; keys[1:] only on the diagonal (same position).
+    Returns [B, h, T, D].
+    """
+    t = q.shape[-2]
+    scores = torch.matmul(q, keys[0].transpose(-1, -2)).float() * scale  # [B, h, T, T]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    diag = [(q * k).sum(-1, keepdim=True).float() * scale for k in keys[1:]]  # k x [B, h, T, 1]
+    probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1).to(q.dtype)
+    out = torch.matmul(probs[..., :t], values[0])  # [B, h, T, D]
+    for j, v in enumerate(values[1:]):
+        out = out + probs[..., t + j : t + j + 1] * v
+    return out
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE, used inside the TTT unroll.
+
+    ``kv_cache`` is the list of (k, v) of the earlier TTT steps of this forward (empty at
+    step 0); this call appends its own and attends per ``ttt_attention``.
+    """
+
+    def __init__(self, in_dim: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+
+    def project_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, in_dim] -> q [B, h, T, D], k/v [B, kv_h, T, D]; RoPE applied unless cos is None."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.project_qkv(x, cos, sin)
+        kv_cache.append((k, v))
+        groups = self.num_heads // self.num_kv_heads
+        keys = [repeat_kv(kk, groups) for kk, _ in kv_cache]
+        values = [repeat_kv(vv, groups) for _, vv in kv_cache]
+        out = ttt_attention(q, keys, values, self.head_dim**-0.5)  # [B, h, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

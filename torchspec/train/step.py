@@ -1,0 +1,98 @@
+"""One optimizer step and the held-out evaluation.
+
+``train_step`` takes the micro-batches of one optimizer step (gradient accumulation), computes
+the global valid-token count of every TTT step first (contract 4: the loss of every micro-batch
+is divided by the count of the whole step, so accumulation and padding do not change the
+effective learning rate), then for each micro-batch runs the frozen target once and the TTT
+unroll of the drafter, and backpropagates. No host synchronisation happens here: the summed
+statistics stay on the device until the recipe logs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from torchspec.train.ttt import TTTResult, summarize, ttt_unroll, valid_counts
+
+
+@dataclass
+class StepStats:
+    """Running sums over the micro-batches since the last log (tensors on the device)."""
+
+    loss: torch.Tensor | None = None
+    kl_sum: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    tokens: int = 0
+    steps: int = 0
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, result: TTTResult, tokens: int) -> None:
+        def acc(old, new):
+            return new.detach().clone() if old is None else old + new.detach()
+
+        self.loss = acc(self.loss, result.loss)
+        self.kl_sum = acc(self.kl_sum, result.kl_sum)
+        self.correct = acc(self.correct, result.correct)
+        self.valid = acc(self.valid, result.valid)
+        self.tokens += tokens
+
+    def summary(self, prefix: str) -> dict[str, float]:
+        """Host sync happens here (log steps only)."""
+        out = {f"{prefix}/{k}": v for k, v in summarize(self.kl_sum, self.correct, self.valid).items()}
+        out[f"{prefix}/loss"] = float(self.loss) / max(self.steps, 1)
+        return out
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def run_micro_batch(target, drafter, batch: dict[str, torch.Tensor], num_steps: int, decay: float,
+                    denominators: torch.Tensor, amp_dtype: torch.dtype | None) -> TTTResult:
+    device = batch["input_ids"].device
+    out = target(batch["input_ids"], attention_mask=batch["attention_mask"])
+    with torch.no_grad():
+        target_logits = target.target_logits(out.last_hidden_state)  # [B, T, V] fp32
+    with autocast(device, amp_dtype):
+        return ttt_unroll(drafter, batch["input_ids"], batch["loss_mask"], out.aux_hidden_states,
+                          target_logits, num_steps, decay, denominators.to(device))
+
+
+def train_step(target, drafter, optimizer, scheduler, micro_batches: list[dict[str, torch.Tensor]],
+               num_steps: int, decay: float, max_grad_norm: float, amp_dtype: torch.dtype | None,
+               stats: StepStats) -> torch.Tensor:
+    """One optimizer step over ``micro_batches``. Returns the (device) gradient norm."""
+    denominators = sum(valid_counts(mb["loss_mask"], num_steps) for mb in micro_batches)
+    for mb in micro_batches:
+        result = run_micro_batch(target, drafter, mb, num_steps, decay, denominators, amp_dtype)
+        result.loss.backward()
+        stats.add(result, tokens=int(mb["attention_mask"].numel()))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    stats.steps += 1
+    return grad_norm
+
+
+@torch.no_grad()
+def evaluate(target, drafter, batches: list[dict[str, torch.Tensor]], num_steps: int, decay: float,
+             amp_dtype: torch.dtype | None) -> dict[str, float]:
+    """Held-out metrics over a fixed list of batches (same batches every time)."""
+    was_training = drafter.training
+    drafter.eval()
+    stats = StepStats()
+    denominators = sum(valid_counts(b["loss_mask"], num_steps) for b in batches)
+    for b in batches:
+        stats.add(run_micro_batch(target, drafter, b, num_steps, decay, denominators, amp_dtype),
+                  tokens=int(b["attention_mask"].numel()))
+    stats.steps = 1
+    drafter.train(was_training)
+    return stats.summary("eval")
