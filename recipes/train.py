@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -63,6 +64,14 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base=None)
 def main(raw: DictConfig) -> None:
+    try:
+        train(raw)
+    except ValueError as err:  # user errors: a message that names the problem and the fix, no traceback
+        print(f"torchspec-train: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def train(raw: DictConfig) -> None:
     cfg = build_config(raw)
     t = cfg.train
     if t.num_threads:
@@ -119,6 +128,7 @@ def main(raw: DictConfig) -> None:
 
     if step == 0:
         run_eval()
+    crash_after = int(os.environ.get("TORCHSPEC_CRASH_AFTER_STEP", "-1"))
     stats, tick = StepStats(), time.time()
     bar = tqdm(total=t.max_steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2)
     while step < t.max_steps:
@@ -139,6 +149,8 @@ def main(raw: DictConfig) -> None:
             run_eval()
         if t.save_every and step % t.save_every == 0 and step < t.max_steps:
             save()
+        if step == crash_after:  # test hook: die like a killed job, with no cleanup at all
+            os._exit(17)
     bar.close()
 
     final = run_eval()

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchspec.train.loss import fused_linear_soft_ce
+
 
 @dataclass
 class TTTResult:
@@ -94,15 +96,14 @@ def ttt_unroll(
         normed, hidden = drafter.step(step_ids, hidden, positions + k, kv_cache)
         valid = loss_mask[:, k + 2 :].bool()  # [B, n]: mask of the predicted token x_{t+k+2}
         n = valid.shape[1]  # positions t = 0..T-k-3 can be valid at step k
-        logits = drafter.compute_logits(normed[:, :n]).float()  # [B, n, V]
-        draft_logp = torch.log_softmax(logits, dim=-1)
         tgt = slice(k + 1, k + 1 + n)  # target distribution at position t+k+1
-        cross = -(target_probs[:, tgt] * draft_logp).sum(-1)  # [B, n]
-        kl = cross - target_entropy[:, tgt]
-        mask = valid.to(kl.dtype)
-        kl_sum = (kl * mask).sum()
-        loss = loss + (decay**k) * kl_sum / denominators[k].clamp(min=1).to(kl_sum.dtype)
-        draft_target_ids = drafter.draft_to_target_ids(logits.argmax(-1))
+        mask = valid.float()
+        token_weights = mask * ((decay**k) / denominators[k].clamp(min=1).float())
+        step_loss, cross, draft_argmax = fused_linear_soft_ce(
+            normed[:, :n], drafter.lm_head.weight, target_probs[:, tgt], token_weights)
+        loss = loss + step_loss - (token_weights * target_entropy[:, tgt]).sum()  # CE -> KL (a constant)
+        kl_sum = ((cross - target_entropy[:, tgt]) * mask).sum()
+        draft_target_ids = drafter.draft_to_target_ids(draft_argmax)
         kl_sums.append(kl_sum.detach())
         corrects.append(((draft_target_ids == target_argmax[:, tgt]) & valid).sum())
         valids.append(valid.sum())

@@ -1,0 +1,76 @@
+"""Hydra composition and validation: unknown keys rejected, bad values named with their fix."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError
+
+from torchspec.config import Config, register_configs, validate_against_target, validate_config
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+register_configs()
+
+
+def compose_cfg(*overrides: str) -> Config:
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        raw = compose(config_name="train", overrides=list(overrides))
+    return OmegaConf.to_object(raw)
+
+
+def test_default_config_composes_and_validates():
+    cfg = compose_cfg()
+    validate_config(cfg)
+    assert cfg.target.path == "smollm2" and cfg.drafter.arch == "eagle4"
+    assert cfg.train.output_dir == "outputs/default"
+
+
+@pytest.mark.parametrize("override", ["train.not_a_key=1", "drafter.fc_nrom=false"])
+def test_unknown_keys_are_rejected(override):
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)):
+        compose_cfg(override)
+
+
+def test_unknown_key_in_a_group_file_is_rejected(tmp_path):
+    shutil.copytree(CONF, tmp_path / "conf")
+    with open(tmp_path / "conf" / "data" / "sharegpt_cpu.yaml", "a") as f:
+        f.write("max_lenght: 128\n")
+    with initialize_config_dir(config_dir=str(tmp_path / "conf"), version_base=None):
+        with pytest.raises(ConfigCompositionException, match="max_lenght"):
+            compose(config_name="train")
+
+
+def test_wrong_type_is_rejected():
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg("train.ttt_steps=seven")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.ttt_steps=0", "train.ttt_steps=0 must be >= 1"),
+    ("train.precision=fp8", "train.precision='fp8' is not one of"),
+    ("drafter.arch=medusa", "drafter.arch='medusa' is unknown"),
+    ("data.max_length=4", "data.max_length=4 is too short"),
+    ("train.save_every=15", "must be a multiple of train.log_every"),
+    ("parallel.target_tp=4", "parallel.target_tp=4"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        validate_config(compose_cfg(override))
+
+
+def test_aux_ids_checked_against_target_config():
+    class FakeTarget:
+        num_hidden_layers, num_attention_heads, num_key_value_heads = 8, 4, 4
+
+    cfg = compose_cfg("target.aux_layer_ids=[1,3,8]")
+    with pytest.raises(ValueError, match=r"outside \[0, 7\]"):
+        validate_against_target(cfg, FakeTarget())
+    cfg = compose_cfg("target.aux_layer_ids=[3,1,5]")
+    with pytest.raises(ValueError, match="not strictly increasing"):
+        validate_against_target(cfg, FakeTarget())
+    assert validate_against_target(compose_cfg(), FakeTarget()) == [1, 3, 4]
