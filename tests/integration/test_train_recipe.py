@@ -55,7 +55,7 @@ def test_loss_falls_and_resume_is_exact(tmp_path, tiny_llama_dir, tiny_chat_json
     assert not [p for p in ckpts.iterdir() if ".tmp-" in p.name]
     resumed = run_recipe(tmp_path / "resumed", tiny_llama_dir, tiny_chat_jsonl)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
+    assert "resumed from" in resumed.stdout + resumed.stderr
     again = read(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in again] == [r["step"] for r in records]  # steps 5-6 of the crash were dropped
     for a, b in zip(records, again):
@@ -63,3 +63,24 @@ def test_loss_falls_and_resume_is_exact(tmp_path, tiny_llama_dir, tiny_chat_json
         for key in a:
             if key not in ("train/tokens_per_s",):
                 assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("target.path=/no/such/model", "/no/such/model"),
+    ("target.aux_layer_ids=[1,3,9]", "outside [0, 7]"),
+    ("train.ttt_steps=0", "train.ttt_steps=0 must be >= 1"),
+])
+def test_bad_input_gives_a_clear_error(tmp_path, tiny_llama_dir, tiny_chat_jsonl, override, message):
+    result = run_recipe(tmp_path / "bad", tiny_llama_dir, tiny_chat_jsonl, override)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "torchspec-train: error:" in result.stderr and message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_unusable_data_file_is_refused(tmp_path, tiny_llama_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
+    result = run_recipe(tmp_path / "bad", tiny_llama_dir, str(bad))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "torchspec-train: error:" in result.stderr and str(bad) in result.stderr

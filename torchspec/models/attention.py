@@ -1,0 +1,201 @@
+"""TTT attention backends with an optional sliding window: one small function each, chosen once.
+
+Every backend computes the attention of TTT step k = len(keys) - 1 (see ``torchspec/train/ttt.py``)
+and has the signature ``fn(q, keys, values, scale, window) -> out``:
+
+    q [B, h, T, D]; keys[j], values[j] [B, h, T, D] for steps j = 0..k (already GQA-expanded);
+    window: int >= 1, or None for full causal attention; returns [B, h, T, D] in q's dtype.
+
+The query of step k at position t attends to
+
+* step-0 keys at positions s with ``t - window < s <= t`` (``s <= t`` when window is None), and
+* the keys of steps 1..k at position t itself (the "diagonal"). They are always attended: they are
+  the drafter's own guesses for this very position, so they lie inside any window by definition.
+
+Toy example, T = 6, window = 3, step k = 2 (``x``: step-0 key attended, ``1``/``2``: diagonal key of
+step 1/2 attended). The window keeps the query's own position and the window - 1 before it:
+
+    query t | step-0 keys s = 0 1 2 3 4 5 | diagonal
+       0    |                  x . . . . . |  1 2
+       1    |                  x x . . . . |  1 2
+       2    |                  x x x . . . |  1 2
+       3    |                  . x x x . . |  1 2
+       4    |                  . . x x x . |  1 2
+       5    |                  . . . x x x |  1 2
+
+window = 1 leaves the own step-0 key plus the diagonal; window >= T equals window None. Positions
+are untouched: RoPE (position t + k for step k) is applied by the caller before these functions,
+and the window counts positions of the sequence, never TTT steps. **NoPE** means no rotary
+embedding at all (the caller passes ``cos=None`` to ``Attention.project_qkv``): nothing changes
+here, attention then sees positions only through the causal/window mask.
+
+Backends (registry ``TTT_ATTENTION``, chosen by name with ``select_ttt_attention``):
+
+* ``eager``: the reference. Materialises [T, T] scores plus one column per diagonal step, one fp32
+  softmax. Memory O(T^2) per head: tests and short sequences only.
+* ``chunked``: query blocks of ``chunk_size`` rows, one ``scaled_dot_product_attention`` call per
+  block with a boolean mask; memory O(C * (C + window + k*C)) per block, recomputed in backward.
+  Runs on any device and dtype; the default for CPU and for any GPU without flex attention.
+* ``flex``: ``torch.nn.attention.flex_attention`` over the keys of all steps concatenated, with a
+  block-sparse mask, so only the window's tiles and one diagonal tile per step are computed. The
+  fast path on CUDA (compiled); on CPU it runs uncompiled and forward only (a test of the mask).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+TTTAttention = Callable[[torch.Tensor, list[torch.Tensor], list[torch.Tensor], float, "int | None"], torch.Tensor]
+
+
+def _check(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], window: int | None) -> None:
+    assert window is None or window >= 1, f"window must be None or >= 1, got {window}"
+    assert len(keys) == len(values) >= 1, (len(keys), len(values))
+    assert all(k.shape == q.shape for k in keys) and all(v.shape == q.shape for v in values), "expand GQA first"
+
+
+def ttt_attention_eager(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float, window: int | None
+) -> torch.Tensor:
+    """Reference: [T, T] causal(+window) scores, one column per diagonal step, one fp32 softmax.
+
+    With window None this is operation for operation ``torchspec.models.layers.ttt_attention``.
+    """
+    _check(q, keys, values, window)
+    t = q.shape[-2]
+    scores = torch.matmul(q, keys[0].transpose(-1, -2)).float() * scale  # [B, h, T, T]
+    allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if window is not None:
+        allowed = allowed.triu(-(window - 1))  # s > t - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    diag = [(q * k).sum(-1, keepdim=True).float() * scale for k in keys[1:]]  # k x [B, h, T, 1]
+    probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1).to(q.dtype)
+    out = torch.matmul(probs[..., :t], values[0])  # [B, h, T, D]
+    for j, v in enumerate(values[1:]):
+        out = out + probs[..., t + j : t + j + 1] * v
+    return out
+
+
+def _chunk_attention(
+    q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, *diag: torch.Tensor,
+    start: int, lo: int, scale: float, window: int | None,
+) -> torch.Tensor:
+    """Query rows [start, start + c) against step-0 keys [lo, start + c) and their diagonal keys.
+
+    q [B, h, c, D]; k0/v0 [B, h, n0, D] with n0 = start + c - lo; diag = (k_1..k_k, v_1..v_k) rows
+    [start, start + c). Key columns: the n0 step-0 keys, then c columns per diagonal step.
+    """
+    c, n0, steps = q.shape[-2], k0.shape[-2], len(diag) // 2
+    rows = torch.arange(start, start + c, device=q.device)[:, None]
+    cols = torch.arange(lo, lo + n0, device=q.device)[None, :]
+    allowed = cols <= rows  # [c, n0]
+    if window is not None:
+        allowed = allowed & (cols > rows - window)
+    if steps:
+        eye = torch.eye(c, dtype=torch.bool, device=q.device).repeat(1, steps)  # [c, k*c]
+        allowed = torch.cat([allowed, eye], dim=1)
+        k0 = torch.cat([k0, *diag[:steps]], dim=2)  # [B, h, n0 + k*c, D]
+        v0 = torch.cat([v0, *diag[steps:]], dim=2)
+    return F.scaled_dot_product_attention(q, k0, v0, attn_mask=allowed, scale=scale)
+
+
+def ttt_attention_chunked(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float, window: int | None,
+    chunk_size: int = 512,
+) -> torch.Tensor:
+    """Blocks of ``chunk_size`` query rows; per block one SDPA call with a boolean mask.
+
+    A block [start, end) needs only the step-0 keys [max(0, start - window + 1), end) (views, no
+    copy) and rows [start, end) of each diagonal step, which are appended as extra key columns with
+    a per-row identity mask. So one fused ``scaled_dot_product_attention`` call does the whole
+    softmax, step-0 window and diagonal together, in whatever kernel the device has (flash-CPU,
+    memory-efficient CUDA with a bias, cuDNN, math), fp32 or bf16, with its own backward. The
+    alternative, a hand-written score + log-sum-exp merge, needs the per-block score matrix in
+    memory and unfused matmuls; public SDPA returns no LSE, so merging two SDPA calls is no option.
+
+    Memory: a block's mask is [C, n0 + k*C] and its concatenated keys n0 + k*C <= C + window - 1
+    + k*C rows. Under autograd each block runs inside ``torch.utils.checkpoint``: only its input
+    views are kept and the block (mask, concatenation, attention) is recomputed in backward. Without
+    that, autograd would keep every block's concatenated keys/values, O(T * (window + k*C) / C)
+    rows, and O(T^2 / C) rows with window None. The price is one extra attention forward per
+    backward (about +1/3 of forward + backward time).
+    """
+    _check(q, keys, values, window)
+    t = q.shape[-2]
+    recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (q, *keys, *values))
+    outs = []
+    for start in range(0, t, chunk_size):
+        end = min(start + chunk_size, t)
+        lo = 0 if window is None else max(0, start - window + 1)
+        block = functools.partial(_chunk_attention, start=start, lo=lo, scale=scale, window=window)
+        args = (q[:, :, start:end], keys[0][:, :, lo:end], values[0][:, :, lo:end],
+                *(k[:, :, start:end] for k in keys[1:]), *(v[:, :, start:end] for v in values[1:]))
+        outs.append(checkpoint(block, *args, use_reentrant=False, preserve_rng_state=False) if recompute else block(*args))
+    return torch.cat(outs, dim=2)  # [B, h, T, D]
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn)
+
+
+@functools.lru_cache(maxsize=32)
+def _ttt_block_mask(t: int, steps: int, window: int | None, device: torch.device):
+    """Block mask over keys laid out [step 0 | step 1 | ... | step k], T columns each.
+
+    T and the window enter the mask as 0-d device tensors, not Python ints, so compiled kernels
+    are reused across sequence lengths and windows instead of recompiling for each value.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    t_len = torch.tensor(t, device=device)
+    win = torch.tensor(t if window is None else window, device=device)  # window >= T == causal
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        step = kv_idx // t_len
+        pos = kv_idx - step * t_len
+        step0 = (step == 0) & (pos <= q_idx) & (q_idx - pos < win)
+        return step0 | ((step > 0) & (pos == q_idx))
+
+    build = _compiled(create_block_mask) if device.type == "cuda" else create_block_mask
+    return build(mask_mod, None, None, t, (steps + 1) * t, device=device)
+
+
+def ttt_attention_flex(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float, window: int | None
+) -> torch.Tensor:
+    """flex_attention over cat(keys of steps 0..k) with a block-sparse TTT mask.
+
+    The diagonal of step j lives in key columns j*T + t; with 128 x 128 tiles each query tile
+    computes the step-0 tiles its causal window touches plus one (two where T is not a multiple
+    of 128) diagonal tile per step, so the k*T extra columns cost k tiles, not k*T/128. Compiled
+    on CUDA (forward and backward); on CPU flex runs uncompiled and has no backward.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    _check(q, keys, values, window)
+    t = q.shape[-2]
+    block_mask = _ttt_block_mask(t, len(keys) - 1, window, q.device)
+    k_all = torch.cat(keys, dim=2) if len(keys) > 1 else keys[0]  # [B, h, (k+1) T, D]
+    v_all = torch.cat(values, dim=2) if len(values) > 1 else values[0]
+    attend = _compiled(flex_attention) if q.is_cuda else flex_attention
+    return attend(q, k_all, v_all, block_mask=block_mask, scale=scale)
+
+
+TTT_ATTENTION: dict[str, TTTAttention] = {
+    "eager": ttt_attention_eager,
+    "chunked": ttt_attention_chunked,
+    "flex": ttt_attention_flex,
+}
+
+
+def select_ttt_attention(name: str) -> TTTAttention:
+    """The backend registered under ``name``; ValueError naming the choices otherwise."""
+    if name not in TTT_ATTENTION:
+        raise ValueError(f"unknown TTT attention backend {name!r}; choose one of {sorted(TTT_ATTENTION)}")
+    return TTT_ATTENTION[name]

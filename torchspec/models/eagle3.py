@@ -1,0 +1,283 @@
+"""The EAGLE-3 drafter (SpecForge / SGLang / vLLM convention), with the EAGLE-3.1 flags.
+
+Data flow of one drafting step (H = target hidden size, V = target vocabulary, Vd = draft vocabulary):
+
+    step 0 hidden:  g = fc( cat(n_lo(h_lo), n_mid(h_mid), n_hi(h_hi)) )        3H -> H  (n_* = RMSNorm
+                                                                                 if fc_norm, else identity)
+    every step:     a = cat( input_layernorm(E[token]), hidden_norm(g) )         [B, T, 2H]
+                    x = g + attn(a)                  q/k/v read the 2H concatenation; o_proj -> H
+                    x = x + mlp( post_attention_layernorm(x) )                   (dense SwiGLU)
+                    y = norm(x);  logits = lm_head(y)                            [B, T, Vd]
+    next step:      g = y if norm_output else x
+
+Unlike EAGLE-4 there is no eh_proj: the decoder layer itself reads width 2H and its residual is
+the incoming hidden state g (width H). ``fc_norm`` and ``norm_output`` are the EAGLE-3.1 flags;
+both are off in plain EAGLE-3. The token embedding E is the target's, frozen.
+
+Pruned draft vocabulary (contract 7). The LM head scores Vd <= V tokens. ``d2t[i]`` is an offset:
+draft id i is target id ``i + d2t[i]``; ``t2d`` is a bool mask over the target vocabulary, True
+for the Vd target ids in the draft vocabulary. The draft ids are the chosen target ids in
+ascending order (``torchspec.data.vocab.build_vocab_mapping`` builds them from the training set).
+Both are persistent buffers, so checkpoints and exports carry them; a mapping, once weights that
+depend on it are loaded or initialised, is only replaced with ``force=True``.
+
+Loss against a pruned vocabulary (SpecForge convention): the target distribution is the softmax of
+the target logits restricted to the draft vocabulary, i.e. renormalised inside it
+(``target_probs_for_loss``). Accuracy stays in target-vocab space: the draft argmax mapped through
+d2t is compared with the target's full-vocabulary argmax, so a position whose target argmax lies
+outside the draft vocabulary is a miss, exactly as acceptance would see it (the drafter can never
+propose that token). SpecForge and the original EAGLE-3 trainer also drop such positions from the
+loss (``position_mask = t2d[target_argmax] * loss_mask``); torchspec keeps them, because the
+renormalised distribution still says which draftable token is best for sampled verification, and
+because contract 4's denominators are counted from the loss mask before the target runs.
+
+Aux layer ids. torchspec id i = the residual stream after decoder layer i, 0-indexed (contract 1).
+SGLang and vLLM both capture ``hidden_states + residual`` on *entry* to a layer; with no explicit
+ids both take the entries of layers (2, L//2, L-3), i.e. torchspec ids [1, L//2 - 1, L - 4], the
+torchspec default. Explicit ``eagle_aux_hidden_state_layer_ids`` in a draft config.json differ:
+SGLang adds 1 (``layers_to_capture = [i + 1 for i in layer_ids]``), so its ids equal torchspec's;
+vLLM uses them as entry indices without a shift, so vLLM id j is torchspec id j - 1. The export
+adapters own that conversion and pin it with golden tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from torchspec.models.config_base import StrictDrafterConfig
+from torchspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class Eagle3Config(StrictDrafterConfig):
+    model_type = "torchspec_eagle3"
+    ARCH_FIELDS = {
+        "vocab_size": (None, "target vocabulary size V; the frozen embedding covers it and t2d has V entries"),
+        "draft_vocab_size": (None, "draft vocabulary size Vd <= V scored by lm_head; draft id i is target "
+                             "id i + d2t[i] (d2t, t2d are buffers in the weights)"),
+        "hidden_size": (None, "drafter width H, equal to the target hidden size"),
+        "num_attention_heads": (None, "query heads of the decoder layer"),
+        "num_key_value_heads": (None, "key/value heads of the decoder layer (GQA)"),
+        "head_dim": (None, "per-head dimension"),
+        "intermediate_size": (None, "SwiGLU MLP inner width"),
+        "rms_norm_eps": (1e-6, "epsilon of every RMSNorm"),
+        "rope_theta": (10000.0, "RoPE base; positions of TTT step k at base position t are t + k"),
+        "max_position_embeddings": (4096, "longest context the drafter is configured for"),
+        "aux_layer_ids": (None, "target layers captured, 0-indexed, residual stream AFTER the layer"),
+        "target_num_layers": (None, "decoder layers of the target the drafter was trained on"),
+        "fc_norm": (False, "EAGLE-3.1: RMS-normalise each of the three captured states separately before fc"),
+        "norm_output": (False, "EAGLE-3.1: feed the final-normalised layer output (after norm) back as the "
+                        "next step's hidden; False feeds the pre-norm residual stream (plain EAGLE-3)"),
+    }
+    REQUIRED = ("vocab_size", "draft_vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "aux_layer_ids", "target_num_layers")
+
+    def validate(self) -> None:
+        missing = [name for name in self.REQUIRED if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"Eagle3Config: {missing} must be set (they come from the target and drafter config).")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"Eagle3Config: draft_vocab_size={self.draft_vocab_size} must lie in [1, vocab_size={self.vocab_size}]; "
+                f"the draft vocabulary is a subset of the target's (set drafter.draft_vocab_size <= the target vocab)."
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Eagle3Config: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; choose heads that divide."
+            )
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"Eagle3Config: aux_layer_ids={self.aux_layer_ids} must hold 3 layer ids.")
+
+
+def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> None:
+    """Raise ValueError naming the problem unless (d2t, t2d) is a consistent pruned-vocab mapping:
+    d2t long [Vd], t2d bool [V], the ids i + d2t[i] strictly increasing, inside [0, V) and exactly
+    the ids where t2d is True. Host sync: call it at setup, never in a step."""
+    if d2t.dtype not in (torch.int64, torch.int32) or tuple(d2t.shape) != (draft_vocab_size,):
+        raise ValueError(f"vocab mapping: d2t must be an integer tensor of shape [{draft_vocab_size}] "
+                         f"(draft_vocab_size), got {d2t.dtype} {tuple(d2t.shape)}.")
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab_size,):
+        raise ValueError(f"vocab mapping: t2d must be a bool tensor of shape [{vocab_size}] (vocab_size), "
+                         f"got {t2d.dtype} {tuple(t2d.shape)}.")
+    count = int(t2d.sum())
+    if count != draft_vocab_size:
+        raise ValueError(f"vocab mapping: t2d marks {count} target ids but draft_vocab_size={draft_vocab_size}.")
+    ids = torch.arange(draft_vocab_size, device=d2t.device) + d2t.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"vocab mapping: i + d2t[i] leaves [0, {vocab_size}) (range {int(ids.min())}..{int(ids.max())}).")
+    if draft_vocab_size > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        bad = int((ids[1:] <= ids[:-1]).nonzero()[0]) + 1
+        raise ValueError(f"vocab mapping: target ids i + d2t[i] must be strictly increasing; draft id {bad} maps "
+                         f"to {int(ids[bad])} after {int(ids[bad - 1])}.")
+    outside = ~t2d.to(ids.device)[ids]
+    if bool(outside.any()):
+        bad = int(outside.nonzero()[0])
+        raise ValueError(f"vocab mapping: draft id {bad} maps to target id {int(ids[bad])}, where t2d is False.")
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The EAGLE-3 "midlayer": attention reads cat(normed embedding, normed hidden) at width 2H."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(h, eps)  # on the incoming hidden state
+        self.self_attn = Attention(2 * h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = SwiGLU(h, cfg.intermediate_size)
+
+    def forward(self, emb, hidden, cos, sin, kv_cache):
+        attn_in = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        x = hidden + self.self_attn(attn_in, cos, sin, kv_cache)  # residual is the hidden, width H
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Drafter(PreTrainedModel):
+    config_class = Eagle3Config
+    base_model_prefix = "drafter"
+    _supports_sdpa = False
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__(config)
+        h, v, vd, eps = config.hidden_size, config.vocab_size, config.draft_vocab_size, config.rms_norm_eps
+        self.embed_tokens = nn.Embedding(v, h)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
+        self.fc_norms = nn.ModuleList(RMSNorm(h, eps) for _ in range(3)) if config.fc_norm else None
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.layer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(h, eps)
+        self.lm_head = nn.Linear(h, vd, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # Placeholder mapping: the first Vd target ids (exact when Vd == V). A pruned drafter must get
+        # its real mapping (set_vocab_mapping) before init_from_target or training.
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(v) < vd)
+        self._mapping_set = vd == v
+        self._mapping_locked = False
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, RotaryEmbedding):
+            # Buffers are not persistent: recompute after meta/empty initialisation.
+            d = self.config.head_dim
+            module.inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2).float() / d))
+
+    # --- loading: the mapping comes with the weights and is locked ---------------------------------
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        """transformers' loader, made strict: a checkpoint missing weights or the d2t/t2d buffers is
+        refused (never initialised silently), and the loaded mapping is checked and locked."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        missing = sorted(info.get("missing_keys", []))
+        if missing:
+            raise ValueError(f"Eagle3Drafter.from_pretrained: the checkpoint lacks {missing}; an EAGLE-3 "
+                             f"checkpoint carries every weight and its vocab mapping (d2t, t2d).")
+        model._after_weights_loaded()
+        return (model, info) if want_info else model
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        out = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._after_weights_loaded()
+        return out
+
+    def _after_weights_loaded(self) -> None:
+        cfg = self.config
+        check_vocab_mapping(self.d2t, self.t2d, cfg.vocab_size, cfg.draft_vocab_size)
+        self._mapping_set = self._mapping_locked = True
+
+    # --- vocabulary mapping -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor, force: bool = False) -> None:
+        """Install the pruned-vocab mapping (see module docstring). Setting the mapping already in
+        place is a no-op; changing it after weights were loaded or initialised from it (from_pretrained,
+        load_state_dict, init_from_target with the LM head) is refused unless ``force=True``, because
+        lm_head row i was trained for target id i + d2t[i]."""
+        cfg = self.config
+        check_vocab_mapping(d2t, t2d, cfg.vocab_size, cfg.draft_vocab_size)
+        same = torch.equal(d2t.to(self.d2t), self.d2t) and torch.equal(t2d.to(self.t2d.device), self.t2d)
+        if self._mapping_locked and not same and not force:
+            raise ValueError(
+                "Eagle3Drafter.set_vocab_mapping: mapping changes under loaded weights are refused (lm_head "
+                "row i belongs to target id i + d2t[i]). Build a new drafter for a new mapping, or pass "
+                "force=True if you re-initialise the LM head yourself."
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self._mapping_set = True
+
+    def draft_target_ids(self) -> torch.Tensor:
+        """[Vd] target id of every draft id, ascending (i + d2t[i])."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids (any shape) -> target-vocab ids."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_probs_for_loss(self, target_logits: torch.Tensor) -> torch.Tensor:
+        """fp32 target logits [B, T, V] -> target probabilities over the draft vocabulary [B, T, Vd],
+        renormalised inside it: softmax(target_logits[..., t2d]) (SpecForge convention).
+
+        Gathers by ``draft_target_ids()`` (identical to boolean indexing by t2d, since the ids are
+        ascending, but with no host sync)."""
+        return torch.softmax(target_logits.index_select(-1, self.draft_target_ids()).float(), dim=-1)
+
+    # --- forward ------------------------------------------------------------------------------------
+
+    def fuse_target_states(self, aux_hidden_states: list[torch.Tensor]) -> torch.Tensor:
+        """3 x [B, T, H] captured target states -> step-0 hidden [B, T, H]."""
+        if self.fc_norms is not None:
+            aux_hidden_states = [norm(h) for norm, h in zip(self.fc_norms, aux_hidden_states)]
+        return self.fc(torch.cat(aux_hidden_states, dim=-1))
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step over all positions.
+
+        input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T].
+        Returns (normed [B, T, H] -> feed ``lm_head``; feedback [B, T, H] -> next step's hidden).
+        """
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary.cos_sin(positions)
+        x = self.layer(emb, hidden, cos, sin, kv_cache)
+        normed = self.norm(x)
+        return normed, (normed if self.config.norm_output else x)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., Vd] logits over the draft vocabulary (map argmaxes with draft_to_target_ids)."""
+        return self.lm_head(normed)
+
+    @torch.no_grad()
+    def init_from_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                         init_lm_head: bool = True) -> None:
+        """Copy the target's embedding (frozen) and, if asked, the target LM head rows of the draft
+        vocabulary, selected by target id: lm_head row i = target row i + d2t[i]. Needs the real
+        mapping first when the vocabulary is pruned; initialising the head from it locks the mapping."""
+        if not self._mapping_set:
+            raise ValueError(
+                f"Eagle3Drafter.init_from_target: draft_vocab_size={self.config.draft_vocab_size} < "
+                f"vocab_size={self.config.vocab_size} but no vocab mapping was set; build it from the "
+                f"training set (torchspec.data.vocab) and call set_vocab_mapping first."
+            )
+        self.embed_tokens.weight.copy_(embed_weight)
+        if init_lm_head:
+            self.lm_head.weight.copy_(lm_head_weight.index_select(0, self.draft_target_ids().to(lm_head_weight.device)))
+            self._mapping_locked = True
