@@ -24,8 +24,13 @@ from torchspec.config import Config, register_configs, validate_against_target, 
 from torchspec.data import ResumableBatchSampler, build_datasets, collate
 from torchspec.models import build_drafter
 from torchspec.target import TargetModel, load_target_config, load_tokenizer, resolve_target_path
-from torchspec.train.checkpoint import atomic_save_dir, atomic_write_text, find_resume_checkpoint
-from torchspec.train.checkpoint import load_checkpoint, save_checkpoint
+from torchspec.train.checkpoint import (
+    atomic_save_dir,
+    atomic_write_text,
+    find_resume_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from torchspec.train.metrics import MetricsLogger, plot_metrics
 from torchspec.train.optim import build_optimizer, build_scheduler, resolve_precision
 from torchspec.train.step import StepStats, evaluate, train_step

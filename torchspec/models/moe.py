@@ -191,8 +191,9 @@ class MoEMLP(nn.Module):
 
     def _dense_experts(self, x: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
         """All experts on all tokens, then gather the chosen ones: [N, H] -> [N, k, H]."""
-        gate, up = torch.matmul(x, self.gate_up).chunk(2, dim=-1)  # [E, N, I] each
-        y = torch.matmul(F.silu(gate) * up, self.down)  # [E, N, H]
+        dtype = _compute_dtype(x)
+        gate, up = torch.matmul(x.to(dtype), self.gate_up.to(dtype)).chunk(2, dim=-1)  # [E, N, I] each
+        y = torch.matmul(F.silu(gate) * up, self.down.to(dtype))  # [E, N, H]
         rows = torch.arange(x.shape[0], device=x.device)
         return y[top_idx, rows[:, None]]  # [N, k, H]
 
@@ -220,7 +221,7 @@ class MoEMLP(nn.Module):
             chosen, probs = chosen * valid, probs * valid
             num_valid = valid.sum().clamp(min=1)
         else:
-            num_valid = torch.tensor(float(n), device=probs.device)
+            num_valid = probs.new_tensor(float(max(n, 1)))
         expert_load = chosen.sum(0)  # [E]
         f = expert_load / (num_valid * self.top_k)
         p = probs.sum(0) / num_valid
