@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from torchspec.config import Config, register_configs, validate_against_target, validate_config
 from torchspec.data import ResumableBatchSampler, build_datasets, collate
+from torchspec.data.vocab import build_vocab_mapping, token_frequencies, vocab_coverage
 from torchspec.models import build_drafter
 from torchspec.target import TargetModel, load_target_config, load_tokenizer, resolve_target_path
 from torchspec.train.checkpoint import (
@@ -33,7 +34,7 @@ from torchspec.train.checkpoint import (
 )
 from torchspec.train.metrics import MetricsLogger, plot_metrics
 from torchspec.train.optim import build_optimizer, build_scheduler, resolve_precision
-from torchspec.train.step import StepStats, evaluate, train_step
+from torchspec.train.step import StepStats, TTTOptions, evaluate, train_step
 
 log = logging.getLogger("torchspec.train")
 register_configs()
@@ -52,8 +53,14 @@ def build_target(cfg: Config) -> tuple[TargetModel, str, list[int]]:
     return TargetModel.from_pretrained(path, aux_layer_ids=aux_ids, dtype=dtype), path, aux_ids
 
 
-def build_model(cfg: Config, target: TargetModel, aux_ids: list[int]):
+def build_model(cfg: Config, target: TargetModel, aux_ids: list[int], train_set):
     drafter = build_drafter(cfg.drafter, target.config, aux_ids)
+    if hasattr(drafter, "set_vocab_mapping"):  # pruned draft vocabulary (EAGLE-3), from the train split only
+        freqs = token_frequencies(train_set, target.vocab_size)
+        d2t, t2d = build_vocab_mapping(freqs, drafter.config.draft_vocab_size)
+        drafter.set_vocab_mapping(d2t, t2d)
+        log.info("draft vocabulary %d / %d covers %.1f%% of assistant tokens", drafter.config.draft_vocab_size,
+                 target.vocab_size, 100 * vocab_coverage(freqs, t2d))
     drafter.init_from_target(target.embed_tokens_weight, target.lm_head_weight, cfg.drafter.init_lm_head_from_target)
     drafter.lm_head.weight.requires_grad_(not cfg.drafter.freeze_lm_head)
     return drafter.float().train()
@@ -92,10 +99,6 @@ def train(raw: DictConfig) -> None:
     target, target_path, aux_ids = build_target(cfg)
     log.info("target %s: %d layers, hidden %d, vocab %d, aux layers %s",
              target_path, target.num_layers, target.hidden_size, target.vocab_size, aux_ids)
-    drafter = build_model(cfg, target, aux_ids)
-    log.info("drafter %s: %.1fM trainable parameters", cfg.drafter.arch,
-             sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6)
-
     tokenizer = load_tokenizer(target_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     d = cfg.data
@@ -103,9 +106,13 @@ def train(raw: DictConfig) -> None:
         d.path, tokenizer, fmt=d.format, max_length=d.max_length, eval_size=d.eval_size, seed=d.seed,
         max_conversations=d.max_conversations, on_too_long=d.on_too_long, chat_template=d.chat_template)
     log.info("data: %d train / %d held-out sequences; %s", len(train_set), len(eval_set), skips.summary())
+    drafter = build_model(cfg, target, aux_ids, train_set)
+    log.info("drafter %s: %.1fM trainable parameters", cfg.drafter.arch,
+             sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6)
     sampler = ResumableBatchSampler(len(train_set), t.micro_batch_size, seed=t.seed)
     held_out = eval_batches(eval_set, t.micro_batch_size, pad_id, t.eval_batches)
 
+    opts = TTTOptions(t.ttt_steps, t.step_decay, cfg.drafter.moe_aux_loss_coef if cfg.drafter.moe else 0.0)
     optimizer = build_optimizer(drafter, t.lr, t.weight_decay, t.betas)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.max_steps, t.min_lr_ratio)
     step = 0
@@ -113,6 +120,8 @@ def train(raw: DictConfig) -> None:
     if resume_from is not None:
         state = load_checkpoint(resume_from, drafter, optimizer, scheduler)
         sampler.load_state_dict(state["sampler"])
+        if "vocab_mapping" in state["extra"]:  # refused loudly if today's data gives another mapping
+            drafter.set_vocab_mapping(*state["extra"]["vocab_mapping"])
         step = state["step"]
         log.info("resumed from %s at step %d", resume_from, step)
     logger = MetricsLogger(out_dir, t.report_to, OmegaConf.to_container(raw, resolve=True),
@@ -120,7 +129,7 @@ def train(raw: DictConfig) -> None:
     log.info("setup took %.1fs", time.time() - started)
 
     def run_eval() -> dict[str, float]:
-        metrics = evaluate(target, drafter, held_out, t.ttt_steps, t.step_decay, amp_dtype)
+        metrics = evaluate(target, drafter, held_out, opts, amp_dtype)
         logger.log(step, metrics)
         log.info("step %d held-out: acceptance length %.3f, acc_0 %.3f, loss %.4f",
                  step, metrics["eval/acceptance_length"], metrics["eval/acc_0"], metrics["eval/loss"])
@@ -128,6 +137,8 @@ def train(raw: DictConfig) -> None:
 
     def save() -> None:
         extra = {"name": cfg.name, "aux_layer_ids": aux_ids}
+        if hasattr(drafter, "d2t"):
+            extra["vocab_mapping"] = (drafter.d2t.clone(), drafter.t2d.clone())
         save_checkpoint(out_dir, step, drafter, optimizer, scheduler, sampler.state_dict(), extra,
                         t.keep_checkpoints)
 
@@ -138,8 +149,7 @@ def train(raw: DictConfig) -> None:
     bar = tqdm(total=t.max_steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2)
     while step < t.max_steps:
         micro = [collate([train_set[i] for i in sampler.next_batch()], pad_id) for _ in range(t.grad_accum)]
-        grad_norm = train_step(target, drafter, optimizer, scheduler, micro, t.ttt_steps, t.step_decay,
-                               t.max_grad_norm, amp_dtype, stats)
+        grad_norm = train_step(target, drafter, optimizer, scheduler, micro, opts, t.max_grad_norm, amp_dtype, stats)
         step += 1
         bar.update(1)
         if step % t.log_every == 0 or step == t.max_steps:

@@ -28,7 +28,8 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    arch: str = "eagle4"  # key of torchspec.models.DRAFTERS
+    arch: str = "eagle4"  # key of torchspec.models.DRAFTERS: eagle4 | eagle3
+    draft_vocab_size: int | None = None  # EAGLE-3 pruned vocabulary; null = full target vocabulary
     # Sizes: null means "take the target's" (hidden size always equals the target's).
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
@@ -38,6 +39,17 @@ class DrafterConfig:
     fc_post_norm: bool = True
     norm_output: bool = True
     pre_attn_norm: bool = True
+    sliding_window: int | None = 4096  # step-0 keys within this many positions; null = full causal
+    nope: bool = False  # no positional encoding at all
+    attn_backend: str = "chunked"  # chunked (SDPA per query block) | flex (CUDA) | eager (reference)
+    moe: bool = False
+    moe_num_experts: int = 8
+    moe_top_k: int = 2
+    moe_intermediate_size: int | None = None
+    moe_shared_expert: bool = False
+    moe_norm_topk_prob: bool = True
+    moe_extra_norm: bool = True
+    moe_aux_loss_coef: float = 0.01  # load-balancing loss weight (training setting, not architecture)
     init_lm_head_from_target: bool = True
     freeze_lm_head: bool = False
 
@@ -114,9 +126,30 @@ def validate_config(cfg: Config) -> None:
     """Checks that need no target: ranges, choices. Raises ValueError naming the key and the fix."""
     from torchspec.models import DRAFTERS
 
+    from torchspec.models.attention import TTT_ATTENTION
+
     t = cfg.train
-    if cfg.drafter.arch not in DRAFTERS:
-        raise ValueError(f"drafter.arch={cfg.drafter.arch!r} is unknown; choose one of {sorted(DRAFTERS)}.")
+    if cfg.drafter.attn_backend not in TTT_ATTENTION:
+        raise ValueError(f"drafter.attn_backend={cfg.drafter.attn_backend!r} is not one of {sorted(TTT_ATTENTION)}.")
+    if cfg.drafter.moe and not 1 <= cfg.drafter.moe_top_k <= cfg.drafter.moe_num_experts:
+        raise ValueError(
+            f"drafter.moe_top_k={cfg.drafter.moe_top_k} must lie in [1, drafter.moe_num_experts="
+            f"{cfg.drafter.moe_num_experts}]."
+        )
+    d = cfg.drafter
+    if d.arch not in DRAFTERS:
+        raise ValueError(f"drafter.arch={d.arch!r} is unknown; choose one of {sorted(DRAFTERS)}.")
+    if d.arch == "eagle4" and d.draft_vocab_size is not None:
+        raise ValueError(
+            f"drafter.draft_vocab_size={d.draft_vocab_size}: EAGLE-4's LM head covers the full target vocabulary "
+            f"(its efficient head prunes per token instead); set it to null or use drafter=eagle3."
+        )
+    if d.arch == "eagle3":
+        eagle4_only = {k: getattr(d, k) for k in ("fc_post_norm", "pre_attn_norm", "nope", "moe") if getattr(d, k)}
+        if eagle4_only:
+            raise ValueError(f"drafter.arch=eagle3 has no {sorted(eagle4_only)}; set them false (they are EAGLE-4 flags).")
+    if d.draft_vocab_size is not None and d.draft_vocab_size < 1:
+        raise ValueError(f"drafter.draft_vocab_size={d.draft_vocab_size} must be >= 1 or null.")
     if t.ttt_steps < 1:
         raise ValueError(f"train.ttt_steps={t.ttt_steps} must be >= 1 (the number of unrolled draft steps).")
     if not 0 < t.step_decay <= 1:
@@ -162,6 +195,11 @@ def validate_against_target(cfg: Config, target_config: Any) -> list[int]:
     ids = list(cfg.target.aux_layer_ids) if cfg.target.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
     validate_aux_layer_ids(ids, num_layers)
     d = cfg.drafter
+    if d.draft_vocab_size is not None and d.draft_vocab_size > target_config.vocab_size:
+        raise ValueError(
+            f"drafter.draft_vocab_size={d.draft_vocab_size} exceeds the target vocabulary ({target_config.vocab_size}); "
+            f"choose a smaller draft vocabulary."
+        )
     heads = d.num_attention_heads or target_config.num_attention_heads
     kv_heads = d.num_key_value_heads or getattr(target_config, "num_key_value_heads", None) or heads
     if heads % kv_heads:

@@ -84,3 +84,27 @@ def test_unusable_data_file_is_refused(tmp_path, tiny_llama_dir):
     result = run_recipe(tmp_path / "bad", tiny_llama_dir, str(bad))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "torchspec-train: error:" in result.stderr and str(bad) in result.stderr
+
+
+@pytest.mark.parametrize("preset, extra", [
+    ("eagle3", ["drafter.draft_vocab_size=128"]),
+    ("eagle3_1", ["drafter.draft_vocab_size=128"]),
+    ("eagle4_moe", ["drafter.moe_num_experts=4"]),
+    ("eagle4", ["drafter.sliding_window=8", "drafter.nope=true", "drafter.attn_backend=eager"]),
+])
+def test_every_preset_trains_through_the_recipe(tmp_path, tiny_llama_dir, tiny_chat_jsonl, preset, extra):
+    out = tmp_path / preset
+    result = run_recipe(out, tiny_llama_dir, tiny_chat_jsonl, f"drafter={preset}", "train.max_steps=3",
+                        "train.save_every=0", "train.plot=false", *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read(out / "metrics.jsonl")
+    assert records[-1]["step"] == 3 and "eval/acceptance_length" in records[-1]
+    written = json.loads((out / "drafter" / "config.json").read_text())
+    if preset.startswith("eagle3"):
+        assert written["draft_vocab_size"] == 128 and "draft vocabulary 128" in result.stdout + result.stderr
+        assert written["fc_norm"] == (preset == "eagle3_1") and written["norm_output"] == (preset == "eagle3_1")
+    if preset == "eagle4_moe":
+        assert written["moe"] is True and written["moe_num_experts"] == 4
+        assert any("train/moe_load_imbalance" in r for r in records)
+    if preset == "eagle4" and extra:
+        assert written["sliding_window"] == 8 and written["nope"] is True

@@ -1,9 +1,10 @@
 """TTT attention backends (torchspec/models/attention.py): chunked and flex against the eager
 reference (values and gradients), the sliding-window property on the real drafter's projections,
-the window-None reference against layers.ttt_attention, the per-block key bound, the registry."""
+the per-block key bound, the registry."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -18,7 +19,7 @@ from torchspec.models.attention import (
     ttt_attention_flex,
 )
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
-from torchspec.models.layers import repeat_kv, ttt_attention
+from torchspec.models.layers import repeat_kv
 
 
 def random_inputs(t, steps, b=2, h=3, d=8, seed=0, dtype=torch.float32, device="cpu", grad=True):
@@ -84,14 +85,19 @@ def test_chunked_blocks_never_see_more_than_window_keys(monkeypatch):
     assert calls[-1][0] == 2  # the remainder block
 
 
-def test_window_none_equals_layers_ttt_attention():
-    """The eager backend generalises the existing layers.ttt_attention faithfully."""
-    for steps in range(4):
-        q, keys, values = random_inputs(10, steps, seed=steps, grad=False)
-        ref = ttt_attention(q, keys, values, 0.5)
-        assert torch.equal(ttt_attention_eager(q, keys, values, 0.5, None), ref)
-        torch.testing.assert_close(ttt_attention_chunked(q, keys, values, 0.5, None, chunk_size=3), ref,
-                                   rtol=1e-5, atol=1e-6)
+def test_chunked_autograd_keeps_only_its_inputs():
+    """Blocks are recomputed in backward: what autograd saves is the inputs' storage, nothing
+    per block (eager saves [T, T] buffers; chunked without recompute, the concatenated keys)."""
+    q, keys, values = random_inputs(256, 3, b=1, h=2, d=16)
+    saved = {}
+
+    def pack(x):
+        saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        ttt_attention_chunked(q, keys, values, 0.35, 32, chunk_size=32)
+    assert sum(saved.values()) <= sum(x.untyped_storage().nbytes() for x in (q, *keys, *values))
 
 
 def drafter_qkv(t, steps, window_seed=0):
@@ -157,6 +163,17 @@ def test_flex_forward_matches_eager_cpu(window):
                                ttt_attention_eager(q, keys, values, 0.25, window), rtol=1e-5, atol=1e-6)
 
 
+def test_flex_block_mask_is_sparse():
+    """Each 128-row query tile visits the 2 step-0 tiles its 128-wide window touches plus one
+    diagonal tile per step (not the (k+1) * T / 128 tiles of the whole key layout); full causal
+    visits its causal prefix."""
+    cpu = torch.device("cpu")
+    windowed = attention._ttt_block_mask(512, 3, 128, cpu)
+    assert (windowed.kv_num_blocks + windowed.full_kv_num_blocks).flatten().tolist() == [4, 5, 5, 5]
+    causal = attention._ttt_block_mask(512, 3, None, cpu)
+    assert (causal.kv_num_blocks + causal.full_kv_num_blocks).flatten().tolist() == [4, 5, 6, 7]
+
+
 def test_registry_and_unknown_backend():
     assert select_ttt_attention("eager") is ttt_attention_eager
     assert select_ttt_attention("chunked") is ttt_attention_chunked
@@ -171,8 +188,11 @@ def test_registry_and_unknown_backend():
 @pytest.mark.parametrize("backend", ["chunked", "flex"])
 def test_cuda_backends_match_eager(backend, dtype):
     """On CUDA (flex compiled): values and grads vs eager on fp32 copies, by relative norm error.
-    T = 300 is no multiple of flex's 128-row tiles; head_dim 256 is the flagship's."""
+    T = 300 is no multiple of flex's 128-row tiles nor of the 128-row chunks; head_dim 256 is the
+    flagship's."""
     fn = select_ttt_attention(backend)
+    if backend == "chunked":
+        fn = functools.partial(fn, chunk_size=128)
     for t, d, window, steps in [(300, 64, None, 0), (300, 64, 1, 3), (300, 256, 64, 3), (300, 64, 1000, 2)]:
         q, keys, values = random_inputs(t, steps, b=2, h=4, d=d, seed=t + steps, dtype=dtype, device="cuda")
         out, grads = value_and_grads(fn, q, keys, values, d**-0.5, window)

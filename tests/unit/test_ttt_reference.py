@@ -47,13 +47,18 @@ def reference_unroll(model, ids, loss_mask, aux, target_logits, num_steps, decay
                 x = model.eh_proj(torch.cat([model.embed_norm(emb), model.hidden_norm(hidden[i][t])]))
                 h = layer.input_layernorm(x)
                 q, kk, vv = attn.project_qkv(h[None, None], None, None)  # [1, heads, 1, D]
-                cos, sin = model.rotary.cos_sin(torch.tensor([[t + k]]))
-                q, kk = apply_rope(q, cos, sin)[0, :, 0], apply_rope(kk, cos, sin)[0, :, 0]
+                if model.config.nope:
+                    q, kk = q[0, :, 0], kk[0, :, 0]
+                else:
+                    cos, sin = model.rotary.cos_sin(torch.tensor([[t + k]]))
+                    q, kk = apply_rope(q, cos, sin)[0, :, 0], apply_rope(kk, cos, sin)[0, :, 0]
                 keys[i][t].append((kk, vv[0, :, 0]))
                 xs.append((x, q))
             for t in range(t_len):
                 x, q = xs[t]
-                attended = [keys[i][s][0] for s in range(t + 1)] + [keys[i][t][j] for j in range(1, k + 1)]
+                window = model.config.sliding_window or t_len
+                oldest = max(0, t - window + 1)
+                attended = [keys[i][s][0] for s in range(oldest, t + 1)] + [keys[i][t][j] for j in range(1, k + 1)]
                 heads = []
                 for hd in range(attn.num_heads):
                     kvh = hd // groups
@@ -61,7 +66,8 @@ def reference_unroll(model, ids, loss_mask, aux, target_logits, num_steps, decay
                     p = torch.softmax(scores, 0)
                     heads.append(sum(p[n] * attended[n][1][kvh] for n in range(len(attended))))
                 x = x + attn.o_proj(torch.cat(heads))
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                h = layer.post_attention_layernorm(x)
+                x = x + (layer.mlp(h[None, None])[0][0, 0] if layer.moe else layer.mlp(h))
                 y = model.norm(x)
                 new_hidden[i][t] = y if model.config.norm_output else x
                 j = t + k + 2  # the predicted token
@@ -78,9 +84,12 @@ def reference_unroll(model, ids, loss_mask, aux, target_logits, num_steps, decay
     return total_loss, kl_sum, correct, valid
 
 
-@pytest.mark.parametrize("norm_output", [True, False])
-def test_unroll_matches_naive_reference(norm_output):
-    model = tiny_drafter(norm_output=norm_output)
+@pytest.mark.parametrize("flags", [
+    {"norm_output": True}, {"norm_output": False}, {"sliding_window": 3}, {"nope": True, "sliding_window": 1},
+    {"moe": True, "moe_num_experts": 3, "moe_top_k": 2, "moe_shared_expert": True},
+])
+def test_unroll_matches_naive_reference(flags):
+    model = tiny_drafter(**flags)
     g = torch.Generator().manual_seed(1)
     b, t_len, steps = 2, 9, 3
     ids = torch.randint(1, 37, (b, t_len), generator=g)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
 
 DRAFTERS: dict[str, tuple[type, type]] = {
+    "eagle3": (Eagle3Config, Eagle3Drafter),
     "eagle4": (Eagle4Config, Eagle4Drafter),
 }
 
@@ -42,15 +44,27 @@ def drafter_config_from_target(drafter_cfg: Any, target_config: Any, aux_layer_i
         aux_layer_ids=list(aux_layer_ids),
         target_num_layers=target_config.num_hidden_layers,
         fc_norm=drafter_cfg.fc_norm,
-        fc_post_norm=drafter_cfg.fc_post_norm,
         norm_output=drafter_cfg.norm_output,
-        pre_attn_norm=drafter_cfg.pre_attn_norm,
+        **_arch_flags(drafter_cfg, target_config),
     )
+
+
+def _arch_flags(d: Any, target_config: Any) -> dict[str, Any]:
+    """The flags only one architecture has (the configs refuse the others' flags)."""
+    if d.arch == "eagle3":
+        return {"draft_vocab_size": d.draft_vocab_size or target_config.vocab_size}
+    return {
+        "fc_post_norm": d.fc_post_norm, "pre_attn_norm": d.pre_attn_norm, "sliding_window": d.sliding_window,
+        "nope": d.nope, "moe": d.moe, "moe_num_experts": d.moe_num_experts, "moe_top_k": d.moe_top_k,
+        "moe_intermediate_size": d.moe_intermediate_size, "moe_shared_expert": d.moe_shared_expert,
+        "moe_norm_topk_prob": d.moe_norm_topk_prob, "moe_extra_norm": d.moe_extra_norm,
+    }
 
 
 def build_drafter(drafter_cfg: Any, target_config: Any, aux_layer_ids: list[int]):
     _, model_cls = DRAFTERS[drafter_cfg.arch]
-    return model_cls(drafter_config_from_target(drafter_cfg, target_config, aux_layer_ids))
+    return model_cls(drafter_config_from_target(drafter_cfg, target_config, aux_layer_ids),
+                     attn_backend=drafter_cfg.attn_backend)
 
 
-__all__ = ["DRAFTERS", "Eagle4Config", "Eagle4Drafter", "build_drafter", "drafter_config_from_target"]
+__all__ = ["DRAFTERS", "Eagle3Config", "Eagle3Drafter", "Eagle4Config", "Eagle4Drafter", "build_drafter", "drafter_config_from_target"]

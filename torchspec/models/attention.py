@@ -34,7 +34,8 @@ Backends (registry ``TTT_ATTENTION``, chosen by name with ``select_ttt_attention
 * ``eager``: the reference. Materialises [T, T] scores plus one column per diagonal step, one fp32
   softmax. Memory O(T^2) per head: tests and short sequences only.
 * ``chunked``: query blocks of ``chunk_size`` rows, one ``scaled_dot_product_attention`` call per
-  block with a boolean mask; memory O(C * (C + window + k*C)) per block, recomputed in backward.
+  block with a boolean mask; memory O(C * (C + window + k*C)) per block (O(C * (T + k*C)) with
+  window None), recomputed in backward, so autograd keeps nothing per block.
   Runs on any device and dtype; the default for CPU and for any GPU without flex attention.
 * ``flex``: ``torch.nn.attention.flex_attention`` over the keys of all steps concatenated, with a
   block-sparse mask, so only the window's tiles and one diagonal tile per step are computed. The
@@ -64,7 +65,7 @@ def ttt_attention_eager(
 ) -> torch.Tensor:
     """Reference: [T, T] causal(+window) scores, one column per diagonal step, one fp32 softmax.
 
-    With window None this is operation for operation ``torchspec.models.layers.ttt_attention``.
+    With window None this is plain causal attention plus one diagonal column per later step.
     """
     _check(q, keys, values, window)
     t = q.shape[-2]
@@ -124,6 +125,10 @@ def ttt_attention_chunked(
     that, autograd would keep every block's concatenated keys/values, O(T * (window + k*C) / C)
     rows, and O(T^2 / C) rows with window None. The price is one extra attention forward per
     backward (about +1/3 of forward + backward time).
+
+    Wasted work: each row computes C + window - 1 step-0 columns for its window and k*C diagonal
+    columns for its k useful ones, so smaller blocks waste less on the diagonal (k*C / window) and
+    launch more calls; ``flex`` computes one 128-wide diagonal tile per step instead.
     """
     _check(q, keys, values, window)
     t = q.shape[-2]
@@ -135,7 +140,10 @@ def ttt_attention_chunked(
         block = functools.partial(_chunk_attention, start=start, lo=lo, scale=scale, window=window)
         args = (q[:, :, start:end], keys[0][:, :, lo:end], values[0][:, :, lo:end],
                 *(k[:, :, start:end] for k in keys[1:]), *(v[:, :, start:end] for v in values[1:]))
-        outs.append(checkpoint(block, *args, use_reentrant=False, preserve_rng_state=False) if recompute else block(*args))
+        if recompute:  # nothing random inside: no RNG state to save and restore
+            outs.append(checkpoint(block, *args, use_reentrant=False, preserve_rng_state=False))
+        else:
+            outs.append(block(*args))
     return torch.cat(outs, dim=2)  # [B, h, T, D]
 
 

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from torchspec.models.config_base import StrictDrafterConfig
+from torchspec.models.config_base import _HF_BOOKKEEPING, StrictDrafterConfig
 from torchspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 
 
@@ -78,11 +78,18 @@ class Eagle3Config(StrictDrafterConfig):
     def validate(self) -> None:
         missing = [name for name in self.REQUIRED if getattr(self, name) is None]
         if missing:
-            raise ValueError(f"Eagle3Config: {missing} must be set (they come from the target and drafter config).")
+            raise ValueError(f"Eagle3Config: {missing} must be set (they come from the target and drafter "
+                             f"config).")
+        # PretrainedConfig keeps unknown kwargs as attributes; they would be written to config.json and
+        # make it unloadable (contract 6), so refuse them here (e.g. EAGLE-4's fc_post_norm).
+        unknown = sorted(set(self.to_dict()) - set(self.ARCH_FIELDS) - _HF_BOOKKEEPING)
+        if unknown:
+            raise ValueError(f"Eagle3Config: unknown keys {unknown}; EAGLE-3 takes {sorted(self.ARCH_FIELDS)}.")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
-                f"Eagle3Config: draft_vocab_size={self.draft_vocab_size} must lie in [1, vocab_size={self.vocab_size}]; "
-                f"the draft vocabulary is a subset of the target's (set drafter.draft_vocab_size <= the target vocab)."
+                f"Eagle3Config: draft_vocab_size={self.draft_vocab_size} must lie in [1, vocab_size="
+                f"{self.vocab_size}]; the draft vocabulary is a subset of the target's (set "
+                f"drafter.draft_vocab_size <= the target vocab)."
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -108,7 +115,8 @@ def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, d
         raise ValueError(f"vocab mapping: t2d marks {count} target ids but draft_vocab_size={draft_vocab_size}.")
     ids = torch.arange(draft_vocab_size, device=d2t.device) + d2t.long()
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise ValueError(f"vocab mapping: i + d2t[i] leaves [0, {vocab_size}) (range {int(ids.min())}..{int(ids.max())}).")
+        raise ValueError(f"vocab mapping: i + d2t[i] leaves [0, {vocab_size}) "
+                         f"(range {int(ids.min())}..{int(ids.max())}).")
     if draft_vocab_size > 1 and not bool((ids[1:] > ids[:-1]).all()):
         bad = int((ids[1:] <= ids[:-1]).nonzero()[0]) + 1
         raise ValueError(f"vocab mapping: target ids i + d2t[i] must be strictly increasing; draft id {bad} maps "
@@ -122,12 +130,13 @@ def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, d
 class Eagle3DecoderLayer(nn.Module):
     """The EAGLE-3 "midlayer": attention reads cat(normed embedding, normed hidden) at width 2H."""
 
-    def __init__(self, cfg: Eagle3Config):
+    def __init__(self, cfg: Eagle3Config, attn_backend: str = "chunked"):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)  # on the token embedding
         self.hidden_norm = RMSNorm(h, eps)  # on the incoming hidden state
-        self.self_attn = Attention(2 * h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.self_attn = Attention(2 * h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   backend=attn_backend)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size)
 
@@ -142,14 +151,14 @@ class Eagle3Drafter(PreTrainedModel):
     base_model_prefix = "drafter"
     _supports_sdpa = False
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, attn_backend: str = "chunked"):
         super().__init__(config)
         h, v, vd, eps = config.hidden_size, config.vocab_size, config.draft_vocab_size, config.rms_norm_eps
         self.embed_tokens = nn.Embedding(v, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
         self.fc_norms = nn.ModuleList(RMSNorm(h, eps) for _ in range(3)) if config.fc_norm else None
         self.fc = nn.Linear(3 * h, h, bias=False)
-        self.layer = Eagle3DecoderLayer(config)
+        self.layer = Eagle3DecoderLayer(config, attn_backend)
         self.norm = RMSNorm(h, eps)
         self.lm_head = nn.Linear(h, vd, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
@@ -185,18 +194,21 @@ class Eagle3Drafter(PreTrainedModel):
         if missing:
             raise ValueError(f"Eagle3Drafter.from_pretrained: the checkpoint lacks {missing}; an EAGLE-3 "
                              f"checkpoint carries every weight and its vocab mapping (d2t, t2d).")
-        model._after_weights_loaded()
+        model._after_weights_loaded(mapping_loaded=True)
         return (model, info) if want_info else model
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         out = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        self._after_weights_loaded()
+        self._after_weights_loaded(mapping_loaded="d2t" in state_dict)
         return out
 
-    def _after_weights_loaded(self) -> None:
+    def _after_weights_loaded(self, mapping_loaded: bool) -> None:
+        # Loaded weights lock the mapping in place, even a partial load (e.g. trainable weights on
+        # resume) that leaves the mapping as it was: the loaded lm_head rows belong to some mapping.
         cfg = self.config
         check_vocab_mapping(self.d2t, self.t2d, cfg.vocab_size, cfg.draft_vocab_size)
-        self._mapping_set = self._mapping_locked = True
+        self._mapping_set = self._mapping_set or mapping_loaded
+        self._mapping_locked = True
 
     # --- vocabulary mapping -------------------------------------------------------------------------
 
@@ -249,10 +261,14 @@ class Eagle3Drafter(PreTrainedModel):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        token_mask: torch.Tensor | None = None,
+        moe_stats: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step over all positions.
 
         input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T].
+        ``token_mask`` and ``moe_stats`` belong to the shared drafter interface (MoE load statistics,
+        see Eagle4Drafter.step); EAGLE-3 has a dense MLP and ignores them.
         Returns (normed [B, T, H] -> feed ``lm_head``; feedback [B, T, H] -> next step's hidden).
         """
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
@@ -279,5 +295,6 @@ class Eagle3Drafter(PreTrainedModel):
             )
         self.embed_tokens.weight.copy_(embed_weight)
         if init_lm_head:
-            self.lm_head.weight.copy_(lm_head_weight.index_select(0, self.draft_target_ids().to(lm_head_weight.device)))
+            rows = self.draft_target_ids().to(lm_head_weight.device)  # [Vd] target ids
+            self.lm_head.weight.copy_(lm_head_weight.index_select(0, rows))
             self._mapping_locked = True

@@ -4,8 +4,9 @@ Data flow of one drafting step (H = target hidden size, V = target vocabulary):
 
     step 0 hidden:  g = post_norm( fc( cat(norm_lo(h_lo), norm_mid(h_mid), norm_hi(h_hi)) ) )  3H -> H
     every step:     x = eh_proj( cat(embed_norm(E[token]), hidden_norm(g)) )                    2H -> H
-                    x = x + attn( input_layernorm(x) )          (GQA, RoPE)
-                    x = x + mlp( post_attention_layernorm(x) )  (dense SwiGLU)
+                    x = x + attn( input_layernorm(x) )          (GQA; RoPE or NoPE; sliding window)
+                    x = x + mlp( post_attention_layernorm(x) )  (dense SwiGLU, or MoE: top-k routed
+                                                                 SwiGLU experts + RMSNorm on their output)
                     y = norm(x);  logits = lm_head(y)
     next step:      g = y if norm_output else x                 (EAGLE-3.1 "normalised feedback")
 
@@ -23,6 +24,7 @@ from transformers import PreTrainedModel
 
 from torchspec.models.config_base import StrictDrafterConfig
 from torchspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from torchspec.models.moe import MoEMLP
 
 
 class Eagle4Config(StrictDrafterConfig):
@@ -44,6 +46,18 @@ class Eagle4Config(StrictDrafterConfig):
         "norm_output": (True, "feed the final-normalised layer output back as the next step's hidden "
                         "(EAGLE-3.1 normalised feedback); False feeds the pre-norm residual stream"),
         "pre_attn_norm": (True, "RMSNorm between eh_proj and attention (input_layernorm)"),
+        "sliding_window": (4096, "step-0 keys at positions t-window < s <= t are attended (RoPE positions "
+                           "unchanged); null = full causal; the TTT diagonal is always attended"),
+        "nope": (False, "no rotary embedding at all (NoPE); positions enter only through the causal mask"),
+        "moe": (False, "replace the decoder layer's dense SwiGLU MLP by a top-k routed mixture of SwiGLU "
+                "experts (torchspec.models.moe.MoEMLP)"),
+        "moe_num_experts": (8, "routed experts E (used when moe)"),
+        "moe_top_k": (2, "experts per token k (used when moe)"),
+        "moe_intermediate_size": (None, "inner width of each expert and the shared expert; null = intermediate_size"),
+        "moe_shared_expert": (False, "a SwiGLU expert applied to every token, added to the routed output"),
+        "moe_norm_topk_prob": (True, "routing weights = top-k softmax probs renormalised to sum 1; False = raw probs"),
+        "moe_extra_norm": (True, "RMSNorm on the MoE output before the residual add (EAGLE-4's extra "
+                           "normalisation after the dense part; the MoE input is already normalised)"),
     }
     REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "intermediate_size", "aux_layer_ids", "target_num_layers")
@@ -57,22 +71,41 @@ class Eagle4Config(StrictDrafterConfig):
                 f"Eagle4Config: num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}; choose heads that divide."
             )
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"Eagle4Config: sliding_window={self.sliding_window} must be null or an int >= 1.")
+        if self.moe and not 1 <= self.moe_top_k <= self.moe_num_experts:
+            raise ValueError(
+                f"Eagle4Config: moe_top_k={self.moe_top_k} must lie in [1, moe_num_experts={self.moe_num_experts}]."
+            )
         if len(self.aux_layer_ids) != 3:
             raise ValueError(f"Eagle4Config: aux_layer_ids={self.aux_layer_ids} must hold 3 layer ids.")
 
 
 class Eagle4DecoderLayer(nn.Module):
-    def __init__(self, cfg: Eagle4Config):
+    def __init__(self, cfg: Eagle4Config, attn_backend: str):
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps) if cfg.pre_attn_norm else nn.Identity()
-        self.self_attn = Attention(h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.self_attn = Attention(h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   window=cfg.sliding_window, backend=attn_backend)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(h, cfg.intermediate_size)
+        self.moe = cfg.moe
+        if cfg.moe:
+            self.mlp = MoEMLP(h, cfg.moe_intermediate_size or cfg.intermediate_size, cfg.moe_num_experts,
+                              cfg.moe_top_k, shared_expert=cfg.moe_shared_expert, norm_eps=cfg.rms_norm_eps,
+                              extra_norm=cfg.moe_extra_norm, norm_topk_prob=cfg.moe_norm_topk_prob)
+        else:
+            self.mlp = SwiGLU(h, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, kv_cache):
+    def forward(self, x, cos, sin, kv_cache, token_mask=None, moe_stats=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if not self.moe:
+            return x + self.mlp(h)
+        out, stats = self.mlp(h, token_mask)
+        if moe_stats is not None:
+            moe_stats.append(stats)  # one MoEStats per TTT step, like kv_cache
+        return x + out
 
 
 class Eagle4Drafter(PreTrainedModel):
@@ -80,7 +113,7 @@ class Eagle4Drafter(PreTrainedModel):
     base_model_prefix = "drafter"
     _supports_sdpa = False
 
-    def __init__(self, config: Eagle4Config):
+    def __init__(self, config: Eagle4Config, attn_backend: str = "chunked"):
         super().__init__(config)
         h, v, eps = config.hidden_size, config.vocab_size, config.rms_norm_eps
         self.embed_tokens = nn.Embedding(v, h)
@@ -91,7 +124,7 @@ class Eagle4Drafter(PreTrainedModel):
         self.embed_norm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.layer = Eagle4DecoderLayer(config)
+        self.layer = Eagle4DecoderLayer(config, attn_backend)
         self.norm = RMSNorm(h, eps)
         self.lm_head = nn.Linear(h, v, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
@@ -104,6 +137,8 @@ class Eagle4Drafter(PreTrainedModel):
             nn.init.normal_(module.weight, std=0.02)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, MoEMLP):
+            module.reset_parameters(0.02)
         elif isinstance(module, RotaryEmbedding):
             # Buffers are not persistent: recompute after meta/empty initialisation.
             d = self.config.head_dim
@@ -121,16 +156,20 @@ class Eagle4Drafter(PreTrainedModel):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        token_mask: torch.Tensor | None = None,
+        moe_stats: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step over all positions.
 
-        input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T].
+        input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T];
+        token_mask [B, T] marks real tokens (MoE load statistics count only those); the MoE layer
+        appends its ``MoEStats`` to ``moe_stats``.
         Returns (normed [B, T, H] -> feed ``lm_head``; feedback [B, T, H] -> next step's hidden).
         """
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         x = self.eh_proj(torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], dim=-1))
-        cos, sin = self.rotary.cos_sin(positions)
-        x = self.layer(x, cos, sin, kv_cache)
+        cos, sin = (None, None) if self.config.nope else self.rotary.cos_sin(positions)
+        x = self.layer(x, cos, sin, kv_cache, token_mask, moe_stats)
         normed = self.norm(x)
         return normed, (normed if self.config.norm_output else x)
 

@@ -1,16 +1,13 @@
 """Building blocks shared by the drafters: RMSNorm, rotary embeddings, SwiGLU MLP and the
-training-time-test (TTT) attention.
+grouped-query attention used inside the training-time-test (TTT) unroll.
 
 TTT attention is the one unusual piece. During the K-step unroll (see ``torchspec/train/ttt.py``)
-the query of step k at position t attends to
-
-* the keys of step 0 at positions <= t (ordinary causal attention over the sequence), and
-* the keys of steps 1..k at position t only (the "diagonal": the drafter's own earlier guesses
-  for this position, exactly what its KV cache holds when it drafts k tokens ahead in serving).
-
-So the step-0 part is a [T, T] causal block and every later step adds a single column per query.
-``ttt_attention`` computes both parts and one softmax over them; memory does not grow with k
-beyond one column per step.
+the query of step k at position t attends to the step-0 keys at positions t - window < s <= t
+(ordinary causal, optionally sliding-window, attention over the sequence) and to the keys of steps
+1..k at position t only (the "diagonal": the drafter's own earlier guesses for this position,
+exactly what its KV cache holds when it drafts k tokens ahead in serving). The backends that
+compute it (eager reference, chunked SDPA, flex) live in ``torchspec/models/attention.py`` and
+are chosen once per model.
 """
 
 from __future__ import annotations
@@ -18,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torchspec.models.attention import select_ttt_attention
 
 
 class RMSNorm(nn.Module):
@@ -79,38 +78,21 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
 
 
-def ttt_attention(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float
-) -> torch.Tensor:
-    """Attention of TTT step k = len(keys) - 1.
-
-    q: [B, h, T, D]; keys[j], values[j]: [B, h, T, D] (already GQA-expanded) for steps j = 0..k.
-    keys[0] is attended causally over positions; keys[1:] only on the diagonal (same position).
-    Returns [B, h, T, D].
-    """
-    t = q.shape[-2]
-    scores = torch.matmul(q, keys[0].transpose(-1, -2)).float() * scale  # [B, h, T, T]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~causal, float("-inf"))
-    diag = [(q * k).sum(-1, keepdim=True).float() * scale for k in keys[1:]]  # k x [B, h, T, 1]
-    probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1).to(q.dtype)
-    out = torch.matmul(probs[..., :t], values[0])  # [B, h, T, D]
-    for j, v in enumerate(values[1:]):
-        out = out + probs[..., t + j : t + j + 1] * v
-    return out
-
-
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE, used inside the TTT unroll.
+    """Grouped-query attention with RoPE (or none: NoPE), used inside the TTT unroll.
 
     ``kv_cache`` is the list of (k, v) of the earlier TTT steps of this forward (empty at
-    step 0); this call appends its own and attends per ``ttt_attention``.
+    step 0); this call appends its own and attends with the chosen backend of
+    ``torchspec.models.attention`` (step-0 keys within ``window``, diagonal keys of later steps).
     """
 
-    def __init__(self, in_dim: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, in_dim: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 window: int | None = None, backend: str = "chunked"):
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window = window
+        self.attend = select_ttt_attention(backend)
         self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
@@ -141,5 +123,5 @@ class Attention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         keys = [repeat_kv(kk, groups) for kk, _ in kv_cache]
         values = [repeat_kv(vv, groups) for _, vv in kv_cache]
-        out = ttt_attention(q, keys, values, self.head_dim**-0.5)  # [B, h, T, D]
+        out = self.attend(q, keys, values, self.head_dim**-0.5, self.window)  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

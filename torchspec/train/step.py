@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torchspec.models.moe import load_imbalance
 from torchspec.train.ttt import TTTResult, summarize, ttt_unroll, valid_counts
+
+
+@dataclass(frozen=True)
+class TTTOptions:
+    num_steps: int  # K
+    decay: float  # step weight decay**k
+    moe_aux_coef: float = 0.0  # MoE load-balancing loss weight
 
 
 @dataclass
@@ -38,12 +46,19 @@ class StepStats:
         self.kl_sum = acc(self.kl_sum, result.kl_sum)
         self.correct = acc(self.correct, result.correct)
         self.valid = acc(self.valid, result.valid)
+        for key, value in result.aux.items():
+            self.extra[key] = acc(self.extra.get(key), value)
         self.tokens += tokens
 
     def summary(self, prefix: str) -> dict[str, float]:
         """Host sync happens here (log steps only)."""
         out = {f"{prefix}/{k}": v for k, v in summarize(self.kl_sum, self.correct, self.valid).items()}
         out[f"{prefix}/loss"] = float(self.loss) / max(self.steps, 1)
+        if "moe_expert_load" in self.extra:  # [K, E] token-slot counts summed since the last log
+            load = self.extra["moe_expert_load"]
+            out[f"{prefix}/moe_load_imbalance"] = float(load_imbalance(load.sum(0)))
+            out.update({f"{prefix}/moe_load_imbalance_{k}": float(v) for k, v in enumerate(load_imbalance(load))})
+            out[f"{prefix}/moe_aux_loss"] = float(self.extra["moe_aux_loss"].mean()) / max(self.steps, 1)
         return out
 
 
@@ -53,7 +68,7 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def run_micro_batch(target, drafter, batch: dict[str, torch.Tensor], num_steps: int, decay: float,
+def run_micro_batch(target, drafter, batch: dict[str, torch.Tensor], opts: TTTOptions,
                     denominators: torch.Tensor, amp_dtype: torch.dtype | None) -> TTTResult:
     device = batch["input_ids"].device
     out = target(batch["input_ids"], attention_mask=batch["attention_mask"])
@@ -61,16 +76,17 @@ def run_micro_batch(target, drafter, batch: dict[str, torch.Tensor], num_steps: 
         target_logits = target.target_logits(out.last_hidden_state)  # [B, T, V] fp32
     with autocast(device, amp_dtype):
         return ttt_unroll(drafter, batch["input_ids"], batch["loss_mask"], out.aux_hidden_states,
-                          target_logits, num_steps, decay, denominators.to(device))
+                          target_logits, opts.num_steps, opts.decay, denominators.to(device),
+                          attention_mask=batch["attention_mask"], moe_aux_coef=opts.moe_aux_coef)
 
 
 def train_step(target, drafter, optimizer, scheduler, micro_batches: list[dict[str, torch.Tensor]],
-               num_steps: int, decay: float, max_grad_norm: float, amp_dtype: torch.dtype | None,
+               opts: TTTOptions, max_grad_norm: float, amp_dtype: torch.dtype | None,
                stats: StepStats) -> torch.Tensor:
     """One optimizer step over ``micro_batches``. Returns the (device) gradient norm."""
-    denominators = sum(valid_counts(mb["loss_mask"], num_steps) for mb in micro_batches)
+    denominators = sum(valid_counts(mb["loss_mask"], opts.num_steps) for mb in micro_batches)
     for mb in micro_batches:
-        result = run_micro_batch(target, drafter, mb, num_steps, decay, denominators, amp_dtype)
+        result = run_micro_batch(target, drafter, mb, opts, denominators, amp_dtype)
         result.loss.backward()
         stats.add(result, tokens=int(mb["attention_mask"].numel()))
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -83,15 +99,15 @@ def train_step(target, drafter, optimizer, scheduler, micro_batches: list[dict[s
 
 
 @torch.no_grad()
-def evaluate(target, drafter, batches: list[dict[str, torch.Tensor]], num_steps: int, decay: float,
+def evaluate(target, drafter, batches: list[dict[str, torch.Tensor]], opts: TTTOptions,
              amp_dtype: torch.dtype | None) -> dict[str, float]:
     """Held-out metrics over a fixed list of batches (same batches every time)."""
     was_training = drafter.training
     drafter.eval()
     stats = StepStats()
-    denominators = sum(valid_counts(b["loss_mask"], num_steps) for b in batches)
+    denominators = sum(valid_counts(b["loss_mask"], opts.num_steps) for b in batches)
     for b in batches:
-        stats.add(run_micro_batch(target, drafter, b, num_steps, decay, denominators, amp_dtype),
+        stats.add(run_micro_batch(target, drafter, b, opts, denominators, amp_dtype),
                   tokens=int(b["attention_mask"].numel()))
     stats.steps = 1
     drafter.train(was_training)

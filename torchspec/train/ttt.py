@@ -19,7 +19,8 @@ Worked toy example, T = 6, tokens [s, u, A, B, C, e], loss_mask [0, 0, 1, 1, 1, 
     k=2: t=0 feeds (g_0^(2), B) -> predicts C; t=1 -> e; t>=2 invalid.
 
 Attention: the query of step k at t sees step-0 keys at positions <= t and the keys of steps
-1..k at t itself (``torchspec.models.layers.ttt_attention``), i.e. exactly the draft KV cache
+1..k at t itself (``torchspec.models.attention``; with a sliding window only step-0 keys at
+t - window < s <= t), i.e. exactly the draft KV cache
 the drafter would have after drafting k tokens beyond the committed prefix x_0..x_{t+1}.
 
 Loss (contract 4): per valid token, forward KL(p_target || q_draft) in fp32; step k summed over
@@ -60,12 +61,21 @@ def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def target_distribution(target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 target logits [B, T, V] -> (probs [B, T, V], entropy [B, T], argmax [B, T])."""
+def target_distribution(target_logits: torch.Tensor, drafter=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 target logits [B, T, V] -> (probs [B, T, V'], entropy [B, T], argmax [B, T]).
+
+    V' = V, except for a drafter with a pruned vocabulary (EAGLE-3): its ``target_probs_for_loss``
+    renormalises the target distribution inside the draft vocabulary. The argmax is always over
+    the full target vocabulary, so accuracy is measured in target-vocab space (contract 5).
+    """
+    argmax = target_logits.argmax(-1)
+    if hasattr(drafter, "target_probs_for_loss"):
+        probs = drafter.target_probs_for_loss(target_logits)  # [B, T, Vd]
+        return probs, -torch.special.xlogy(probs, probs).sum(-1), argmax
     logp = torch.log_softmax(target_logits.float(), dim=-1)
     probs = logp.exp()
     entropy = -(probs * logp).sum(-1)
-    return probs, entropy, target_logits.argmax(-1)
+    return probs, entropy, argmax
 
 
 def ttt_unroll(
@@ -77,23 +87,31 @@ def ttt_unroll(
     num_steps: int,
     decay: float,
     denominators: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    moe_aux_coef: float = 0.0,
 ) -> TTTResult:
     """Run K = ``num_steps`` TTT steps.
 
-    input_ids, loss_mask: [B, T]; aux_hidden_states: 3 x [B, T, H]; target_logits: [B, T, V] fp32
-    (from the target's post-norm last hidden state); denominators: [K] global valid counts.
+    input_ids, loss_mask, attention_mask: [B, T]; aux_hidden_states: 3 x [B, T, H]; target_logits:
+    [B, T, V] fp32 (from the target's post-norm last hidden state); denominators: [K] global valid
+    counts. An MoE drafter's load-balancing loss of step k enters as
+    ``moe_aux_coef * aux_k * valid_k / denominators[k] / K`` — normalised like the KL (contract 4),
+    so its weight does not depend on micro-batching, padding or data-parallel size.
     """
     b, t = input_ids.shape
     assert t >= 2, "sequences need at least 2 tokens"
-    target_probs, target_entropy, target_argmax = target_distribution(target_logits)
+    target_probs, target_entropy, target_argmax = target_distribution(target_logits, drafter)
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     hidden = drafter.fuse_target_states(aux_hidden_states)  # [B, T, H]
     kv_cache: list = []
+    moe_stats: list = []
+    real = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     loss = hidden.new_zeros((), dtype=torch.float32)
     kl_sums, corrects, valids = [], [], []
     for k in range(num_steps):
         step_ids = shift_left(input_ids, k + 1)  # x_{t+k+1}
-        normed, hidden = drafter.step(step_ids, hidden, positions + k, kv_cache)
+        normed, hidden = drafter.step(step_ids, hidden, positions + k, kv_cache,
+                                      token_mask=shift_left(real, k + 1), moe_stats=moe_stats)
         valid = loss_mask[:, k + 2 :].bool()  # [B, n]: mask of the predicted token x_{t+k+2}
         n = valid.shape[1]  # positions t = 0..T-k-3 can be valid at step k
         tgt = slice(k + 1, k + 1 + n)  # target distribution at position t+k+1
@@ -107,12 +125,19 @@ def ttt_unroll(
         kl_sums.append(kl_sum.detach())
         corrects.append(((draft_target_ids == target_argmax[:, tgt]) & valid).sum())
         valids.append(valid.sum())
+    aux: dict[str, torch.Tensor] = {}
+    if moe_stats:
+        weights = torch.stack(valids).float() / denominators.clamp(min=1).float() / num_steps  # [K]
+        moe_aux = torch.stack([st.aux_loss for st in moe_stats])  # [K]
+        loss = loss + moe_aux_coef * (weights * moe_aux).sum()
+        aux["moe_aux_loss"] = moe_aux.detach()
+        aux["moe_expert_load"] = torch.stack([st.expert_load for st in moe_stats]).double()  # [K, E]
     return TTTResult(
         loss=loss,
         kl_sum=torch.stack(kl_sums),
         correct=torch.stack(corrects).to(torch.float64),
         valid=torch.stack(valids).to(torch.float64),
-        aux={},
+        aux=aux,
     )
 
 
