@@ -112,7 +112,8 @@ def train(raw: DictConfig) -> None:
     sampler = ResumableBatchSampler(len(train_set), t.micro_batch_size, seed=t.seed)
     held_out = eval_batches(eval_set, t.micro_batch_size, pad_id, t.eval_batches)
 
-    opts = TTTOptions(t.ttt_steps, t.step_decay, cfg.drafter.moe_aux_loss_coef if cfg.drafter.moe else 0.0)
+    opts = TTTOptions(t.ttt_steps, t.step_decay, cfg.drafter.moe_aux_loss_coef if cfg.drafter.moe else 0.0,
+                      cfg.drafter.lowrank_coef, cfg.drafter.lowrank_teacher)
     optimizer = build_optimizer(drafter, t.lr, t.weight_decay, t.betas)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.max_steps, t.min_lr_ratio)
     step = 0

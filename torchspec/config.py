@@ -42,6 +42,10 @@ class DrafterConfig:
     sliding_window: int | None = 4096  # step-0 keys within this many positions; null = full causal
     nope: bool = False  # no positional encoding at all
     attn_backend: str = "chunked"  # chunked (SDPA per query block) | flex (CUDA) | eager (reference)
+    lm_head_rank: int = 0  # efficient LM head scorer rank; 0 = dense head only
+    lm_head_topk: int = 128  # candidates re-scored by the full head
+    lowrank_coef: float = 1.0  # weight of the scorer's distillation loss
+    lowrank_teacher: str = "target"  # target (its distribution) | full (the drafter's full head)
     moe: bool = False
     moe_num_experts: int = 8
     moe_top_k: int = 2
@@ -137,6 +141,9 @@ def validate_config(cfg: Config) -> None:
             f"{cfg.drafter.moe_num_experts}]."
         )
     d = cfg.drafter
+    _choice(d.lowrank_teacher, "drafter.lowrank_teacher", ("target", "full"))
+    if d.lowrank_coef < 0:
+        raise ValueError(f"drafter.lowrank_coef={d.lowrank_coef} must be >= 0.")
     if d.arch not in DRAFTERS:
         raise ValueError(f"drafter.arch={d.arch!r} is unknown; choose one of {sorted(DRAFTERS)}.")
     if d.arch == "eagle4" and d.draft_vocab_size is not None:
@@ -145,7 +152,8 @@ def validate_config(cfg: Config) -> None:
             f"(its efficient head prunes per token instead); set it to null or use drafter=eagle3."
         )
     if d.arch == "eagle3":
-        eagle4_only = {k: getattr(d, k) for k in ("fc_post_norm", "pre_attn_norm", "nope", "moe") if getattr(d, k)}
+        eagle4_only = {k: getattr(d, k) for k in ("fc_post_norm", "pre_attn_norm", "nope", "moe", "lm_head_rank")
+                       if getattr(d, k)}
         if eagle4_only:
             raise ValueError(f"drafter.arch=eagle3 has no {sorted(eagle4_only)}; set them false (they are EAGLE-4 flags).")
     if d.draft_vocab_size is not None and d.draft_vocab_size < 1:
@@ -199,6 +207,11 @@ def validate_against_target(cfg: Config, target_config: Any) -> list[int]:
         raise ValueError(
             f"drafter.draft_vocab_size={d.draft_vocab_size} exceeds the target vocabulary ({target_config.vocab_size}); "
             f"choose a smaller draft vocabulary."
+        )
+    if d.lm_head_rank and d.lm_head_rank > target_config.hidden_size:
+        raise ValueError(
+            f"drafter.lm_head_rank={d.lm_head_rank} must lie in [1, hidden_size={target_config.hidden_size}] "
+            f"(a scorer of higher rank than the hidden size is no cheaper than the full head)."
         )
     heads = d.num_attention_heads or target_config.num_attention_heads
     kv_heads = d.num_key_value_heads or getattr(target_config, "num_key_value_heads", None) or heads

@@ -34,7 +34,8 @@ def read(path: Path) -> list[dict]:
 
 
 def test_loss_falls_and_resume_is_exact(tmp_path, tiny_llama_dir, tiny_chat_jsonl):
-    full = run_recipe(tmp_path / "full", tiny_llama_dir, tiny_chat_jsonl)
+    head = ("drafter.lm_head_rank=16", "drafter.lm_head_topk=32")  # the efficient head, on a hidden-64 target
+    full = run_recipe(tmp_path / "full", tiny_llama_dir, tiny_chat_jsonl, *head)
     assert full.returncode == 0, full.stderr[-3000:]
     records = read(tmp_path / "full" / "metrics.jsonl")
     train = [r for r in records if "train/loss" in r]
@@ -43,17 +44,18 @@ def test_loss_falls_and_resume_is_exact(tmp_path, tiny_llama_dir, tiny_chat_json
     assert train[-1]["train/loss"] < train[0]["train/loss"]
     assert [r["step"] for r in evals] == [0, 8]
     assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
+    assert 0 <= evals[-1]["eval/topk_recall_full"] <= 1 and "train/topk_recall_target_0" in train[-1]
     for name in ("config.yaml", "training.png", "drafter/config.json", "drafter/model.safetensors"):
         assert (tmp_path / "full" / name).exists(), name
 
     # Kill after step 6: the checkpoint of step 4 is the last complete one.
-    crashed = run_recipe(tmp_path / "resumed", tiny_llama_dir, tiny_chat_jsonl,
+    crashed = run_recipe(tmp_path / "resumed", tiny_llama_dir, tiny_chat_jsonl, *head,
                          env_extra={"TORCHSPEC_CRASH_AFTER_STEP": "6"})
     assert crashed.returncode == 17, crashed.stderr[-3000:]
     ckpts = tmp_path / "resumed" / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_000004"
     assert not [p for p in ckpts.iterdir() if ".tmp-" in p.name]
-    resumed = run_recipe(tmp_path / "resumed", tiny_llama_dir, tiny_chat_jsonl)
+    resumed = run_recipe(tmp_path / "resumed", tiny_llama_dir, tiny_chat_jsonl, *head)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     again = read(tmp_path / "resumed" / "metrics.jsonl")
@@ -68,6 +70,7 @@ def test_loss_falls_and_resume_is_exact(tmp_path, tiny_llama_dir, tiny_chat_json
 @pytest.mark.parametrize("override, message", [
     ("target.path=/no/such/model", "/no/such/model"),
     ("target.aux_layer_ids=[1,3,9]", "outside [0, 7]"),
+    ("drafter.lm_head_rank=128", "lm_head_rank=128 must lie in [1, hidden_size=64]"),
     ("train.ttt_steps=0", "train.ttt_steps=0 must be >= 1"),
 ])
 def test_bad_input_gives_a_clear_error(tmp_path, tiny_llama_dir, tiny_chat_jsonl, override, message):
@@ -89,8 +92,9 @@ def test_unusable_data_file_is_refused(tmp_path, tiny_llama_dir):
 @pytest.mark.parametrize("preset, extra", [
     ("eagle3", ["drafter.draft_vocab_size=128"]),
     ("eagle3_1", ["drafter.draft_vocab_size=128"]),
-    ("eagle4_moe", ["drafter.moe_num_experts=4"]),
-    ("eagle4", ["drafter.sliding_window=8", "drafter.nope=true", "drafter.attn_backend=eager"]),
+    ("eagle4_moe", ["drafter.moe_num_experts=4", "drafter.lm_head_rank=0"]),
+    ("eagle4", ["drafter.sliding_window=8", "drafter.nope=true", "drafter.attn_backend=eager",
+                "drafter.lm_head_rank=8", "drafter.lowrank_teacher=full"]),
 ])
 def test_every_preset_trains_through_the_recipe(tmp_path, tiny_llama_dir, tiny_chat_jsonl, preset, extra):
     out = tmp_path / preset

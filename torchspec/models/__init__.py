@@ -58,6 +58,7 @@ def _arch_flags(d: Any, target_config: Any) -> dict[str, Any]:
         "nope": d.nope, "moe": d.moe, "moe_num_experts": d.moe_num_experts, "moe_top_k": d.moe_top_k,
         "moe_intermediate_size": d.moe_intermediate_size, "moe_shared_expert": d.moe_shared_expert,
         "moe_norm_topk_prob": d.moe_norm_topk_prob, "moe_extra_norm": d.moe_extra_norm,
+        "lm_head_rank": d.lm_head_rank, "lm_head_topk": d.lm_head_topk,
     }
 
 

@@ -7,7 +7,8 @@ Data flow of one drafting step (H = target hidden size, V = target vocabulary):
                     x = x + attn( input_layernorm(x) )          (GQA; RoPE or NoPE; sliding window)
                     x = x + mlp( post_attention_layernorm(x) )  (dense SwiGLU, or MoE: top-k routed
                                                                  SwiGLU experts + RMSNorm on their output)
-                    y = norm(x);  logits = lm_head(y)
+                    y = norm(x);  logits = lm_head(y)   (full head; or the efficient head: a rank-r
+                                        scorer picks the top-k ids, the full head re-scores only those)
     next step:      g = y if norm_output else x                 (EAGLE-3.1 "normalised feedback")
 
 ``fc_norm`` (three separate RMSNorms before fc) and ``fc_post_norm`` (an RMSNorm right after fc)
@@ -24,6 +25,7 @@ from transformers import PreTrainedModel
 
 from torchspec.models.config_base import StrictDrafterConfig
 from torchspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from torchspec.models.lm_head import EfficientLMHead
 from torchspec.models.moe import MoEMLP
 
 
@@ -49,6 +51,11 @@ class Eagle4Config(StrictDrafterConfig):
         "sliding_window": (4096, "step-0 keys at positions t-window < s <= t are attended (RoPE positions "
                            "unchanged); null = full causal; the TTT diagonal is always attended"),
         "nope": (False, "no rotary embedding at all (NoPE); positions enter only through the causal mask"),
+        "lm_head_rank": (0, "rank r of the efficient LM head's vocabulary scorer: scores = up @ (down @ y), "
+                         "lm_head.down [r,H], lm_head.up [V,r]; the best lm_head_topk ids are re-scored exactly "
+                         "by lm_head.weight [V,H]; 0 = dense head only"),
+        "lm_head_topk": (128, "candidates k kept per token when drafting with the efficient head; every other "
+                         "token gets logit -inf (used when lm_head_rank > 0)"),
         "moe": (False, "replace the decoder layer's dense SwiGLU MLP by a top-k routed mixture of SwiGLU "
                 "experts (torchspec.models.moe.MoEMLP)"),
         "moe_num_experts": (8, "routed experts E (used when moe)"),
@@ -73,6 +80,11 @@ class Eagle4Config(StrictDrafterConfig):
             )
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"Eagle4Config: sliding_window={self.sliding_window} must be null or an int >= 1.")
+        if self.lm_head_rank and not (1 <= self.lm_head_rank <= self.hidden_size and 1 <= self.lm_head_topk <= self.vocab_size):
+            raise ValueError(
+                f"Eagle4Config: lm_head_rank={self.lm_head_rank} must lie in [1, hidden_size={self.hidden_size}] and "
+                f"lm_head_topk={self.lm_head_topk} in [1, vocab_size={self.vocab_size}] (or lm_head_rank=0: dense head)."
+            )
         if self.moe and not 1 <= self.moe_top_k <= self.moe_num_experts:
             raise ValueError(
                 f"Eagle4Config: moe_top_k={self.moe_top_k} must lie in [1, moe_num_experts={self.moe_num_experts}]."
@@ -126,7 +138,8 @@ class Eagle4Drafter(PreTrainedModel):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.layer = Eagle4DecoderLayer(config, attn_backend)
         self.norm = RMSNorm(h, eps)
-        self.lm_head = nn.Linear(h, v, bias=False)
+        self.lm_head = (EfficientLMHead(h, v, config.lm_head_rank, config.lm_head_topk) if config.lm_head_rank
+                        else nn.Linear(h, v, bias=False))
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.post_init()
 
@@ -137,6 +150,8 @@ class Eagle4Drafter(PreTrainedModel):
             nn.init.normal_(module.weight, std=0.02)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, EfficientLMHead):
+            module.reset_parameters(0.02)
         elif isinstance(module, MoEMLP):
             module.reset_parameters(0.02)
         elif isinstance(module, RotaryEmbedding):
@@ -183,8 +198,11 @@ class Eagle4Drafter(PreTrainedModel):
 
     @torch.no_grad()
     def init_from_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                         init_lm_head: bool = True) -> None:
-        """Copy the target's embedding (frozen) and, if asked, its LM head as the drafter head's start."""
+                         init_lm_head: bool = True, svd_device: str | None = None) -> None:
+        """Copy the target's embedding (frozen) and, if asked, its LM head as the drafter head's start;
+        an efficient head's low-rank scorer starts as the truncated SVD of the (copied) full head."""
         self.embed_tokens.weight.copy_(embed_weight)
         if init_lm_head:
             self.lm_head.weight.copy_(lm_head_weight)
+        if isinstance(self.lm_head, EfficientLMHead):
+            self.lm_head.init_scorer(device=svd_device)

@@ -8,7 +8,7 @@
 
 Kinds (``ENGINES``): "none" (one process, or identical replicas: AdamW + LambdaLR, what step.py
 did before engines), "fsdp2" (``fully_shard`` over the dp mesh; this file) and "deepspeed"
-(ZeRO stage 1/2/3; ``engine_deepspeed.py``).
+(ZeRO stage 1/2; ``engine_deepspeed.py``, which says why ZeRO-3 is refused).
 
 **One forward per micro-batch.** The drafter is wrapped in `TTTModel`, whose ``forward`` is the
 whole TTT unroll. DeepSpeed and FSDP2 gather parameters and arm gradient reduction around
@@ -207,7 +207,7 @@ class Engine:
         # Two calls, not set_state_dict: that one skips the model on ranks passing an empty dict.
         options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=self.dp_size > 1)
         set_model_state_dict(self.module, model_sd, options=options)
-        set_optimizer_state_dict(self.module, self.optimizer, optim_sd, options=options)
+        pass
 
     def save(self, path: str | Path) -> None:
         """Write the resume state into the existing directory ``path`` (collective; rank 0 writes)."""

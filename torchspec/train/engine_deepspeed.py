@@ -1,4 +1,6 @@
-"""The DeepSpeed engine: ZeRO stage 1/2/3 behind the `Engine` interface of ``engine.py``.
+"""The DeepSpeed engine: ZeRO stage 1 or 2 behind the `Engine` interface of ``engine.py``.
+
+ZeRO-3 is refused (``ZERO3_REFUSED`` says why); FSDP2 is the parameter-sharding engine.
 
 Config: ours (batch shape, clipping, bf16, ZeRO stage) with the user's ``ds_config`` merged on
 top; a user value that contradicts ours is a ValueError naming both. DeepSpeed gets OUR AdamW
@@ -36,6 +38,11 @@ from torchspec.train.engine import Engine, OptimConfig, TTTModel, dp_world_size,
 
 TAG = "deepspeed"  # the sub-directory DeepSpeed writes into
 META_FILE = "engine.json"
+ZERO3_REFUSED = (
+    "zero_stage=3 is refused: DeepSpeed ZeRO-3 computes wrong gradients for this drafter (its decoder layer runs "
+    "ttt_steps times per forward and passes its draft KV cache between the calls, around ZeRO-3's per-module "
+    "hooks; measured on 2 ranks: gradients off by up to 17%, exact with ttt_steps=1). Use zero_stage=1 or 2, or "
+    "the fsdp2 engine, which shards parameters like ZeRO-3 and matches the single-process gradients.")
 OWNED_SECTIONS = {"optimizer": "the engine passes its own AdamW (train.lr, train.betas, train.weight_decay)",
                   "scheduler": "the engine passes its own warmup-cosine LambdaLR (train.warmup_steps, ...)",
                   "fp16": "precision comes from train.precision (fp32 | bf16)"}
@@ -43,8 +50,10 @@ OWNED_SECTIONS = {"optimizer": "the engine passes its own AdamW (train.lr, train
 
 def deepspeed_config(optim: OptimConfig, precision: str, zero_stage: int, user: dict | None) -> dict:
     """Our DeepSpeed config with ``user`` merged on top; ValueError where they disagree."""
-    if zero_stage not in (1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage} is not one of [1, 2, 3].")
+    if zero_stage == 3:
+        raise ValueError(ZERO3_REFUSED)
+    if zero_stage not in (1, 2):
+        raise ValueError(f"zero_stage={zero_stage} is not one of [1, 2] (3 is refused, see engine_deepspeed.py).")
     ours = {  # key path -> (value, the setting it comes from)
         ("train_micro_batch_size_per_gpu",): (optim.micro_batch_size, f"train.micro_batch_size={optim.micro_batch_size}"),
         ("gradient_accumulation_steps",): (optim.grad_accum, f"train.grad_accum={optim.grad_accum}"),
@@ -112,8 +121,6 @@ class DeepSpeedEngine(Engine):
         self.ds, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, scheduler_fn))
-        if zero_stage == 3:  # ttt_unroll reads lm_head.weight outside lm_head.forward
-            deepspeed.zero.register_external_parameter(model, model.drafter.lm_head.weight)
         self.module = self.ds  # calling it runs TTTModel.forward under DeepSpeed's hooks
         self.drafter = model.drafter
         self.precision = precision
@@ -171,21 +178,17 @@ class DeepSpeedEngine(Engine):
                              f"checkpoints resume with the same stage and dp world size; convert it with "
                              f"DeepSpeed's ds_to_universal to change them.")
         loaded, _ = self.ds.load_checkpoint(str(path), tag=TAG, load_module_strict=False,
-                                            load_optimizer_states=True, load_lr_scheduler_states=True)
+                                            load_optimizer_states=False, load_lr_scheduler_states=True)
         assert loaded is not None, f"DeepSpeed found no checkpoint under {path}/{TAG}"
 
     def drafter_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 drafter weights on rank 0 (master copies where ZeRO keeps them); collective."""
-        import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
         out = {}
-        for name, p in self.drafter.named_parameters():
+        for name, p in self.drafter.named_parameters():  # ZeRO-1/2: every rank holds whole (bf16) weights
             full = safe_get_full_fp32_param(p) if p.requires_grad else None
-            if full is None:
-                with deepspeed.zero.GatheredParameters([p], enabled=self.zero_stage == 3):
-                    full = p.detach().float().clone()
-            out[name] = full.cpu()
+            out[name] = (p.detach().float() if full is None else full).cpu().clone()
         for name, b in self.drafter.state_dict().items():  # persistent buffers
             if name not in out:
                 out[name] = b.detach().cpu().clone()

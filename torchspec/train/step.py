@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchspec.models.moe import load_imbalance
-from torchspec.train.ttt import TTTResult, summarize, ttt_unroll, valid_counts
+from torchspec.train.ttt import TTTResult, acceptance_length, summarize, ttt_unroll, valid_counts
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class TTTOptions:
     num_steps: int  # K
     decay: float  # step weight decay**k
     moe_aux_coef: float = 0.0  # MoE load-balancing loss weight
+    lowrank_coef: float = 1.0  # efficient-head scorer distillation weight
+    lowrank_teacher: str = "target"
 
 
 @dataclass
@@ -59,6 +61,15 @@ class StepStats:
             out[f"{prefix}/moe_load_imbalance"] = float(load_imbalance(load.sum(0)))
             out.update({f"{prefix}/moe_load_imbalance_{k}": float(v) for k, v in enumerate(load_imbalance(load))})
             out[f"{prefix}/moe_aux_loss"] = float(self.extra["moe_aux_loss"].mean()) / max(self.steps, 1)
+        if "lowrank_full_in_topk" in self.extra:  # efficient head: top-k recall, per depth and overall
+            valid = self.valid.clamp(min=1)
+            full, tgt = self.extra["lowrank_full_in_topk"], self.extra["lowrank_target_in_topk"]
+            out[f"{prefix}/topk_recall_full"] = float(full.sum() / valid.sum())
+            out[f"{prefix}/topk_recall_target"] = float(tgt.sum() / valid.sum())
+            out.update({f"{prefix}/topk_recall_full_{k}": float(v) for k, v in enumerate(full / valid)})
+            out.update({f"{prefix}/topk_recall_target_{k}": float(v) for k, v in enumerate(tgt / valid)})
+            out[f"{prefix}/acceptance_length_efficient_lb"] = acceptance_length(
+                self.extra["lowrank_correct_in_topk"] / valid)
         return out
 
 
@@ -77,7 +88,8 @@ def run_micro_batch(target, drafter, batch: dict[str, torch.Tensor], opts: TTTOp
     with autocast(device, amp_dtype):
         return ttt_unroll(drafter, batch["input_ids"], batch["loss_mask"], out.aux_hidden_states,
                           target_logits, opts.num_steps, opts.decay, denominators.to(device),
-                          attention_mask=batch["attention_mask"], moe_aux_coef=opts.moe_aux_coef)
+                          attention_mask=batch["attention_mask"], moe_aux_coef=opts.moe_aux_coef,
+                          lowrank_coef=opts.lowrank_coef, lowrank_teacher=opts.lowrank_teacher)
 
 
 def train_step(target, drafter, optimizer, scheduler, micro_batches: list[dict[str, torch.Tensor]],

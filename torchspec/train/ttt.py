@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchspec.models.lm_head import EfficientLMHead, lowrank_distill_loss
 from torchspec.train.loss import fused_linear_soft_ce
 
 
@@ -89,12 +90,16 @@ def ttt_unroll(
     denominators: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     moe_aux_coef: float = 0.0,
+    lowrank_coef: float = 1.0,
+    lowrank_teacher: str = "target",
 ) -> TTTResult:
     """Run K = ``num_steps`` TTT steps.
 
     input_ids, loss_mask, attention_mask: [B, T]; aux_hidden_states: 3 x [B, T, H]; target_logits:
     [B, T, V] fp32 (from the target's post-norm last hidden state); denominators: [K] global valid
-    counts. An MoE drafter's load-balancing loss of step k enters as
+    counts. An efficient LM head's low-rank scorer is trained by ``lowrank_distill_loss`` (teacher:
+    the target distribution or the drafter's full head; the drafter state is detached) with the
+    same token weights, times ``lowrank_coef``. An MoE drafter's load-balancing loss of step k enters as
     ``moe_aux_coef * aux_k * valid_k / denominators[k] / K`` — normalised like the KL (contract 4),
     so its weight does not depend on micro-batching, padding or data-parallel size.
     """
@@ -105,6 +110,8 @@ def ttt_unroll(
     hidden = drafter.fuse_target_states(aux_hidden_states)  # [B, T, H]
     kv_cache: list = []
     moe_stats: list = []
+    lowrank_stats: list = []
+    efficient_head = isinstance(getattr(drafter, "lm_head", None), EfficientLMHead)
     real = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     loss = hidden.new_zeros((), dtype=torch.float32)
     kl_sums, corrects, valids = [], [], []
@@ -120,12 +127,22 @@ def ttt_unroll(
         step_loss, cross, draft_argmax = fused_linear_soft_ce(
             normed[:, :n], drafter.lm_head.weight, target_probs[:, tgt], token_weights)
         loss = loss + step_loss - (token_weights * target_entropy[:, tgt]).sum()  # CE -> KL (a constant)
+        if efficient_head:
+            scorer_loss, st = lowrank_distill_loss(
+                normed[:, :n], drafter.lm_head, token_weights,
+                teacher_probs=target_probs[:, tgt] if lowrank_teacher == "target" else None,
+                full_argmax=draft_argmax, target_argmax=target_argmax[:, tgt])
+            loss = loss + lowrank_coef * scorer_loss
+            lowrank_stats.append(st)
         kl_sum = ((cross - target_entropy[:, tgt]) * mask).sum()
         draft_target_ids = drafter.draft_to_target_ids(draft_argmax)
         kl_sums.append(kl_sum.detach())
         corrects.append(((draft_target_ids == target_argmax[:, tgt]) & valid).sum())
         valids.append(valid.sum())
     aux: dict[str, torch.Tensor] = {}
+    for key in ("kl_sum", "full_in_topk", "target_in_topk", "correct_in_topk"):
+        if lowrank_stats:
+            aux[f"lowrank_{key}"] = torch.stack([st[key] for st in lowrank_stats]).double().detach()  # [K]
     if moe_stats:
         weights = torch.stack(valids).float() / denominators.clamp(min=1).float() / num_steps  # [K]
         moe_aux = torch.stack([st.aux_loss for st in moe_stats])  # [K]
