@@ -1,14 +1,18 @@
 """Train a drafter on hidden states captured online from a frozen target.
 
     torchspec-train                                # default job: EAGLE-4 for SmolLM2-135M on ShareGPT, CPU
-    torchspec-train train.max_steps=2000 data.max_length=4096 train=gpu
-    python recipes/train.py target.path=/ckpt/Qwen3-8B drafter=eagle4 name=qwen3_8b
+    torchspec-train target=hf target.path=/ckpt/Qwen3-8B train=gpu data=sharegpt drafter=eagle4
+    torchrun --nproc_per_node=8 recipes/train.py parallel=tp4_fsdp2 target=hf target.path=/ckpt/Qwen3-32B
 
-Read top to bottom: config -> target -> drafter -> data -> optimizer -> resume -> loop -> save.
+One launch owns everything: world = dp x tp; the target is tensor-parallel over groups of
+``parallel.target_tp`` consecutive ranks, the drafter data-parallel over every rank (engine
+``none`` | ``fsdp2`` | ``deepspeed``), and every rank trains on its own sequences.
+Read top to bottom: config -> distributed -> target -> data -> drafter -> engine -> resume -> loop -> save.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -21,10 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from torchspec.config import Config, register_configs, validate_against_target, validate_config
-from torchspec.data import ResumableBatchSampler, build_datasets, collate
+from torchspec.data import ResumableBatchSampler, build_datasets, collate, shard_for_rank
 from torchspec.data.vocab import build_vocab_mapping, token_frequencies, vocab_coverage
+from torchspec.distributed import DistInfo, barrier, build_mesh, init_distributed, is_rank0, seed_everything
 from torchspec.models import build_drafter
 from torchspec.target import TargetModel, load_target_config, load_tokenizer, resolve_target_path
+from torchspec.target.parallelize import load_tp_target
 from torchspec.train.checkpoint import (
     atomic_save_dir,
     atomic_write_text,
@@ -32,8 +38,9 @@ from torchspec.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from torchspec.train.engine import OptimConfig, build_engine
 from torchspec.train.metrics import MetricsLogger, plot_metrics
-from torchspec.train.optim import build_optimizer, build_scheduler, resolve_precision
+from torchspec.train.optim import resolve_precision, warmup_cosine
 from torchspec.train.step import StepStats, TTTOptions, evaluate, train_step
 
 log = logging.getLogger("torchspec.train")
@@ -46,11 +53,14 @@ def build_config(raw: DictConfig) -> Config:
     return cfg
 
 
-def build_target(cfg: Config) -> tuple[TargetModel, str, list[int]]:
+def build_target(cfg: Config, info: DistInfo, mesh) -> tuple[TargetModel, str, list[int]]:
+    """tp=1: the whole target on this rank. tp>1: built on meta, sharded, and each rank reads only its shards."""
     path = resolve_target_path(cfg.target.path, os.path.expanduser(cfg.target.cache_dir))
     aux_ids = validate_against_target(cfg, load_target_config(path))  # before any weight loads
     dtype = torch.bfloat16 if cfg.target.dtype == "bfloat16" else torch.float32
-    return TargetModel.from_pretrained(path, aux_layer_ids=aux_ids, dtype=dtype), path, aux_ids
+    if cfg.parallel.target_tp > 1:
+        return load_tp_target(path, mesh["tp"], aux_layer_ids=aux_ids, dtype=dtype), path, aux_ids
+    return TargetModel.from_pretrained(path, aux_layer_ids=aux_ids, dtype=dtype).to(info.device), path, aux_ids
 
 
 def build_model(cfg: Config, target: TargetModel, aux_ids: list[int], train_set):
@@ -66,9 +76,35 @@ def build_model(cfg: Config, target: TargetModel, aux_ids: list[int], train_set)
     return drafter.float().train()
 
 
-def eval_batches(eval_set, batch_size: int, pad_id: int, limit: int | None) -> list[dict]:
-    batches = [collate(eval_set[i : i + batch_size], pad_id) for i in range(0, len(eval_set), batch_size)]
-    return batches[:limit] if limit else batches
+def build_train_engine(cfg: Config, drafter, info: DistInfo):
+    t, p = cfg.train, cfg.parallel
+    if p.engine == "none" and info.world_size > 1:
+        raise ValueError(f"parallel.engine=none trains one unsharded copy without reducing gradients, but WORLD_SIZE="
+                         f"{info.world_size}; use parallel=fsdp2 or parallel=deepspeed.")
+    amp = resolve_precision(t.precision, info.device)
+    optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas), max_grad_norm=t.max_grad_norm,
+                        micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum)
+    schedule = functools.partial(warmup_cosine, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
+                                 min_lr_ratio=t.min_lr_ratio)
+    return build_engine(p.engine, drafter.to(info.device), optim, schedule, mesh=None,
+                        precision="bf16" if amp is not None else "fp32",
+                        ds_config=dict(p.deepspeed) or None, zero_stage=p.zero_stage)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def eval_batches(eval_set, batch_size: int, pad_id: int, limit: int | None, info: DistInfo) -> list[dict]:
+    """This rank's share of the held-out set; every rank gets the same number of batches (the
+    forward of a sharded drafter and of a TP target are collectives)."""
+    usable = len(eval_set) // info.world_size * info.world_size
+    if usable == 0:
+        raise ValueError(f"data.eval_size={len(eval_set)} is smaller than WORLD_SIZE={info.world_size}; raise it.")
+    mine = shard_for_rank(list(range(usable)), info.rank, info.world_size)
+    batches = [collate([eval_set[i] for i in mine[j : j + batch_size]], pad_id) for j in range(0, len(mine), batch_size)]
+    batches = batches[:limit] if limit else batches
+    return [to_device(b, info.device) for b in batches]
 
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -88,17 +124,20 @@ def train(raw: DictConfig) -> None:
     t = cfg.train
     if t.num_threads:
         torch.set_num_threads(t.num_threads)
-    torch.manual_seed(t.seed)
+    info = init_distributed(timeout_minutes=cfg.parallel.dist_timeout_minutes)
+    mesh = build_mesh(info.world_size, cfg.parallel.target_tp, info.device.type)
+    tp_group = mesh["tp"].get_group() if cfg.parallel.target_tp > 1 else None
+    rank0 = is_rank0()
     out_dir = Path(t.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(raw, resolve=True))
-    device = torch.device("cpu")
-    amp_dtype = resolve_precision(t.precision, device)
+    if rank0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(raw, resolve=True))
 
     started = time.time()
-    target, target_path, aux_ids = build_target(cfg)
-    log.info("target %s: %d layers, hidden %d, vocab %d, aux layers %s",
-             target_path, target.num_layers, target.hidden_size, target.vocab_size, aux_ids)
+    target, target_path, aux_ids = build_target(cfg, info, mesh)
+    log.info("target %s: %d layers, hidden %d, vocab %d, aux layers %s; world %d = dp %d x tp %d",
+             target_path, target.num_layers, target.hidden_size, target.vocab_size, aux_ids,
+             info.world_size, info.world_size // cfg.parallel.target_tp, cfg.parallel.target_tp)
     tokenizer = load_tokenizer(target_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     d = cfg.data
@@ -106,31 +145,33 @@ def train(raw: DictConfig) -> None:
         d.path, tokenizer, fmt=d.format, max_length=d.max_length, eval_size=d.eval_size, seed=d.seed,
         max_conversations=d.max_conversations, on_too_long=d.on_too_long, chat_template=d.chat_template)
     log.info("data: %d train / %d held-out sequences; %s", len(train_set), len(eval_set), skips.summary())
+
+    seed_everything(t.seed)  # the same drafter initialisation on every rank
     drafter = build_model(cfg, target, aux_ids, train_set)
     log.info("drafter %s: %.1fM trainable parameters", cfg.drafter.arch,
              sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6)
-    sampler = ResumableBatchSampler(len(train_set), t.micro_batch_size, seed=t.seed)
-    held_out = eval_batches(eval_set, t.micro_batch_size, pad_id, t.eval_batches)
-
+    engine = build_train_engine(cfg, drafter, info)
+    global_batch = t.micro_batch_size * info.world_size  # every rank takes its own micro_batch_size rows
+    sampler = ResumableBatchSampler(len(train_set), global_batch, seed=t.seed)
+    held_out = eval_batches(eval_set, t.micro_batch_size, pad_id, t.eval_batches, info)
     opts = TTTOptions(t.ttt_steps, t.step_decay, cfg.drafter.moe_aux_loss_coef if cfg.drafter.moe else 0.0,
                       cfg.drafter.lowrank_coef, cfg.drafter.lowrank_teacher)
-    optimizer = build_optimizer(drafter, t.lr, t.weight_decay, t.betas)
-    scheduler = build_scheduler(optimizer, t.warmup_steps, t.max_steps, t.min_lr_ratio)
+
     step = 0
     resume_from = find_resume_checkpoint(out_dir, t.resume)
     if resume_from is not None:
-        state = load_checkpoint(resume_from, drafter, optimizer, scheduler)
-        sampler.load_state_dict(state["sampler"])
+        state = load_checkpoint(resume_from, engine, global_batch)
+        sampler.load_state_dict({k: state["sampler"][k] for k in ("epoch", "position")})
         if "vocab_mapping" in state["extra"]:  # refused loudly if today's data gives another mapping
-            drafter.set_vocab_mapping(*state["extra"]["vocab_mapping"])
+            engine.drafter.set_vocab_mapping(*state["extra"]["vocab_mapping"])
         step = state["step"]
         log.info("resumed from %s at step %d", resume_from, step)
-    logger = MetricsLogger(out_dir, t.report_to, OmegaConf.to_container(raw, resolve=True),
-                           t.wandb_project, cfg.name, resume_step=step if resume_from else None)
+    logger = MetricsLogger(out_dir, t.report_to, OmegaConf.to_container(raw, resolve=True), t.wandb_project,
+                           cfg.name, resume_step=step if resume_from else None, enabled=rank0)
     log.info("setup took %.1fs", time.time() - started)
 
     def run_eval() -> dict[str, float]:
-        metrics = evaluate(target, drafter, held_out, opts, amp_dtype)
+        metrics = evaluate(target, engine, held_out, opts, tp_group)
         logger.log(step, metrics)
         log.info("step %d held-out: acceptance length %.3f, acc_0 %.3f, loss %.4f",
                  step, metrics["eval/acceptance_length"], metrics["eval/acc_0"], metrics["eval/loss"])
@@ -138,25 +179,28 @@ def train(raw: DictConfig) -> None:
 
     def save() -> None:
         extra = {"name": cfg.name, "aux_layer_ids": aux_ids}
-        if hasattr(drafter, "d2t"):
-            extra["vocab_mapping"] = (drafter.d2t.clone(), drafter.t2d.clone())
-        save_checkpoint(out_dir, step, drafter, optimizer, scheduler, sampler.state_dict(), extra,
+        if hasattr(engine.drafter, "d2t"):
+            extra["vocab_mapping"] = (engine.drafter.d2t.detach().cpu().clone(), engine.drafter.t2d.detach().cpu().clone())
+        save_checkpoint(out_dir, step, engine, {**sampler.state_dict(), "batch_size": global_batch}, extra,
                         t.keep_checkpoints)
 
     if step == 0:
         run_eval()
     crash_after = int(os.environ.get("TORCHSPEC_CRASH_AFTER_STEP", "-1"))
     stats, tick = StepStats(), time.time()
-    bar = tqdm(total=t.max_steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2)
+    bar = tqdm(total=t.max_steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2, disable=not rank0)
     while step < t.max_steps:
-        micro = [collate([train_set[i] for i in sampler.next_batch()], pad_id) for _ in range(t.grad_accum)]
-        grad_norm = train_step(target, drafter, optimizer, scheduler, micro, opts, t.max_grad_norm, amp_dtype, stats)
+        micro = [to_device(collate([train_set[i] for i in shard_for_rank(sampler.next_batch(), info.rank, info.world_size)],
+                                   pad_id), info.device) for _ in range(t.grad_accum)]
+        grad_norm = train_step(target, engine, micro, opts, stats, tp_group)
         step += 1
         bar.update(1)
         if step % t.log_every == 0 or step == t.max_steps:
+            stats.all_reduce()
             metrics = stats.summary("train")
-            metrics.update({"train/lr": scheduler.get_last_lr()[0], "train/grad_norm": float(grad_norm),
-                            "train/tokens_per_s": stats.tokens / (time.time() - tick), "train/epoch": sampler.epoch})
+            metrics.update({"train/lr": engine.lr, "train/grad_norm": float(grad_norm),
+                            "train/tokens_per_s": stats.tokens * info.world_size / (time.time() - tick),
+                            "train/epoch": sampler.epoch})
             logger.log(step, metrics)
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc0=f"{metrics['train/acc_0']:.2f}",
                             al=f"{metrics['train/acceptance_length']:.2f}")
@@ -171,12 +215,22 @@ def train(raw: DictConfig) -> None:
 
     final = run_eval()
     save()
-    atomic_save_dir(out_dir / "drafter", lambda tmp: drafter.save_pretrained(tmp))
+    export_drafter(cfg, engine, target, aux_ids, train_set, out_dir / "drafter")
     logger.close()
-    if t.plot and (out_dir / "metrics.jsonl").exists():
+    if rank0 and t.plot and (out_dir / "metrics.jsonl").exists():
         plot_metrics(out_dir / "metrics.jsonl", out_dir / "training.png")
     log.info("done in %.1fs: held-out acceptance length %.3f; drafter saved to %s",
              time.time() - started, final["eval/acceptance_length"], out_dir / "drafter")
+    barrier()
+
+
+def export_drafter(cfg: Config, engine, target, aux_ids: list[int], train_set, path: Path) -> None:
+    """Collective: gather the full drafter weights; rank 0 writes them in save_pretrained format."""
+    state = engine.drafter_state_dict()
+    if is_rank0():
+        drafter = build_drafter(cfg.drafter, target.config, aux_ids)
+        drafter.load_state_dict(state, strict=True)
+        atomic_save_dir(path, lambda tmp: drafter.save_pretrained(tmp))
 
 
 if __name__ == "__main__":

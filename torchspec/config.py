@@ -100,7 +100,13 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
+    # world = dp x tp (torchrun's WORLD_SIZE). The target is tensor-parallel over groups of
+    # target_tp consecutive ranks; the drafter is data-parallel over the WHOLE world.
     target_tp: int = 1
+    engine: str = "none"  # none (one process) | fsdp2 | deepspeed
+    zero_stage: int = 2  # DeepSpeed ZeRO stage: 1 or 2 (3 is refused: see docs)
+    deepspeed: dict[str, Any] = field(default_factory=dict)  # merged over the DeepSpeed config we build
+    dist_timeout_minutes: float = 30.0  # a collective some rank never joins fails after this
 
 
 @dataclass
@@ -188,11 +194,17 @@ def validate_config(cfg: Config) -> None:
         )
     if cfg.data.eval_size < 1:
         raise ValueError(f"data.eval_size={cfg.data.eval_size} must be >= 1 (held-out eval runs at start and end).")
-    if cfg.parallel.target_tp != 1:
+    p = cfg.parallel
+    _choice(p.engine, "parallel.engine", ("none", "fsdp2", "deepspeed"))
+    if p.target_tp < 1:
+        raise ValueError(f"parallel.target_tp={p.target_tp} must be >= 1.")
+    if p.engine == "deepspeed" and p.zero_stage not in (1, 2):
         raise ValueError(
-            f"parallel.target_tp={cfg.parallel.target_tp}: tensor-parallel targets are not available in "
-            f"this version; use parallel.target_tp=1."
+            f"parallel.zero_stage={p.zero_stage}: use 1 or 2. ZeRO-3 computes wrong gradients for a drafter whose "
+            f"layer runs K times per forward (the TTT unroll); shard parameters with parallel.engine=fsdp2."
         )
+    if p.engine != "deepspeed" and p.deepspeed:
+        raise ValueError(f"parallel.deepspeed is set but parallel.engine={p.engine!r}; use parallel.engine=deepspeed.")
 
 
 def validate_against_target(cfg: Config, target_config: Any) -> list[int]:
@@ -202,6 +214,10 @@ def validate_against_target(cfg: Config, target_config: Any) -> list[int]:
     num_layers = target_config.num_hidden_layers
     ids = list(cfg.target.aux_layer_ids) if cfg.target.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
     validate_aux_layer_ids(ids, num_layers)
+    if cfg.parallel.target_tp > 1:
+        from torchspec.distributed import validate_tp_for_target
+
+        validate_tp_for_target(target_config, cfg.parallel.target_tp)
     d = cfg.drafter
     if d.draft_vocab_size is not None and d.draft_vocab_size > target_config.vocab_size:
         raise ValueError(

@@ -56,11 +56,17 @@ def test_wrong_type_is_rejected():
     ("drafter.arch=medusa", "drafter.arch='medusa' is unknown"),
     ("data.max_length=4", "data.max_length=4 is too short"),
     ("train.save_every=15", "must be a multiple of train.log_every"),
-    ("parallel.target_tp=4", "parallel.target_tp=4"),
+    ("parallel.target_tp=0", "parallel.target_tp=0 must be >= 1"),
+    ("parallel.engine=ddp", "parallel.engine='ddp' is not one of"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         validate_config(compose_cfg(override))
+
+
+def test_zero3_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="ZeRO-3 computes wrong gradients"):
+        validate_config(compose_cfg("parallel=deepspeed", "parallel.zero_stage=3"))
 
 
 def test_aux_ids_checked_against_target_config():

@@ -2,18 +2,18 @@
 
 Layout under ``<output_dir>/checkpoints/``::
 
-    step_000100/state.pt   trainable drafter weights, optimizer, scheduler, RNG states,
-                           data-sampler position, step, config fingerprint
-    latest                 one line: the name of the newest complete checkpoint
+    step_000100/state.pt    step, per-rank RNG states, data-sampler position, world size, extra
+    step_000100/engine.pt   ("none" / "fsdp2") full trainable weights, AdamW state, scheduler
+    step_000100/deepspeed/  ("deepspeed") DeepSpeed's own per-rank files + engine.json
+    latest                  one line: the name of the newest complete checkpoint
 
-A checkpoint is first written to a temporary directory beside its final name and renamed into
-place only when complete, and ``latest`` is replaced with ``os.replace`` after that, so a run
-killed at any moment leaves either the previous checkpoint or the new one, never half of one.
-Frozen weights (the target's embedding) are not stored: they come back from the target.
-Exported drafters for serving are separate (``save_pretrained``; see docs/architecture.md).
+Saving is collective: rank 0 creates ``.step_N.tmp``, every rank writes its engine part into it,
+rank 0 writes ``state.pt`` (with every rank's RNG state), renames the directory into place and
+only then replaces ``latest`` — so a run killed at any moment leaves the previous checkpoint or
+the new one, never half of one. Frozen weights (the target's embedding) are not stored.
+"none"/"fsdp2" checkpoints are unsharded, so they resume at any world size (with the same global
+batch); DeepSpeed's resume at the same world size and stage. Exports for serving are separate.
 """
-
-from __future__ import annotations
 
 import os
 import random
@@ -24,6 +24,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from torchspec.distributed import barrier
 
 LATEST = "latest"
 
@@ -41,11 +44,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if k in names}
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -75,32 +73,44 @@ def atomic_save_dir(final: Path, write: Any) -> None:
         raise
 
 
-def save_checkpoint(
-    output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
-    sampler_state: dict[str, Any], extra: dict[str, Any], keep: int,
-) -> Path:
+def save_checkpoint(output_dir: str | Path, step: int, engine, sampler_state: dict[str, Any],
+                    extra: dict[str, Any], keep: int) -> Path:
+    """Collective: every rank calls it with the same arguments."""
     root = Path(output_dir) / "checkpoints"
     name = f"step_{step:06d}"
-    state = {
-        "step": step,
-        "model": trainable_state_dict(model),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": rng_state(),
-        "sampler": sampler_state,
-        "extra": extra,
-    }
-
-    def write(tmp: Path) -> None:
+    tmp, final = root / f".{name}.tmp", root / name
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    engine.save(tmp)
+    rngs = [rng_state()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng_state())
+    if rank0:
+        state = {"step": step, "rng": rngs, "sampler": sampler_state, "extra": extra, "engine": engine.kind,
+                 "world_size": len(rngs)}
         with open(tmp / "state.pt", "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_text(root / LATEST, name + "\n")
+        _prune(root, keep)
+    barrier()
+    return final
 
-    atomic_save_dir(root / name, write)
-    atomic_write_text(root / LATEST, name + "\n")
-    _prune(root, keep)
-    return root / name
+
+def _fsync_tree(path: Path) -> None:
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -127,19 +137,21 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and RNG; returns the state (step, sampler, extra)."""
+def load_checkpoint(path: Path, engine, global_batch: int) -> dict[str, Any]:
+    """Collective: restore the engine (weights, optimizer, scheduler) and this rank's RNG state.
+    Returns the state (step, sampler, extra). A changed world size is handled where the format
+    allows it and the global batch is unchanged, and refused with a message otherwise."""
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    expected = set(trainable_state_dict(model))
-    got = set(state["model"])
-    if expected != got:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if state["engine"] != engine.kind and "deepspeed" in (state["engine"], engine.kind):
+        raise ValueError(f"checkpoint {path} was written by the {state['engine']!r} engine; this run uses "
+                         f"{engine.kind!r}. Resume with parallel.engine={state['engine']}.")
+    if state["sampler"].get("batch_size", global_batch) != global_batch:
         raise ValueError(
-            f"checkpoint {path} does not match this drafter: missing {sorted(expected - got)[:8]}, "
-            f"unexpected {sorted(got - expected)[:8]}. Resume with the drafter config it was written "
-            f"with, or start a new output_dir."
-        )
-    model.load_state_dict(state["model"], strict=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
+            f"checkpoint {path} was written with a global batch of {state['sampler']['batch_size']} sequences "
+            f"(micro_batch_size x world size), this run has {global_batch}: the data position would not carry "
+            f"over. Keep micro_batch_size x WORLD_SIZE equal to resume, or start a new output_dir.")
+    engine.load(path)
+    set_rng_state(state["rng"][rank] if len(state["rng"]) == world else state["rng"][0])
     return state

@@ -6,8 +6,8 @@
         engine.backward(result.loss)
     grad_norm = engine.step()                     # clip -> optimizer -> LR schedule -> zero_grad
 
-Kinds (``ENGINES``): "none" (one process, or identical replicas: AdamW + LambdaLR, what step.py
-did before engines), "fsdp2" (``fully_shard`` over the dp mesh; this file) and "deepspeed"
+Kinds (``ENGINES``): "none" (one process: AdamW + LambdaLR, what step.py did before engines),
+"fsdp2" (``fully_shard`` over the dp mesh; this file) and "deepspeed"
 (ZeRO stage 1/2; ``engine_deepspeed.py``, which says why ZeRO-3 is refused).
 
 **One forward per micro-batch.** The drafter is wrapped in `TTTModel`, whose ``forward`` is the
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +74,11 @@ class TTTModel(nn.Module):
         self.drafter = drafter
 
     def forward(self, input_ids, loss_mask, aux_hidden_states, target_logits, denominators,
-                num_steps: int, decay: float) -> dict[str, Any]:
+                num_steps: int, decay: float, **unroll_kwargs) -> dict[str, Any]:
         # A dict, not the TTTResult dataclass: FSDP2 finds the loss (to hook backward) by pytree.
         r = ttt_unroll(self.drafter, input_ids, loss_mask, aux_hidden_states, target_logits, num_steps,
-                       decay, denominators)
-        return {"loss": r.loss, "kl_sum": r.kl_sum, "correct": r.correct, "valid": r.valid, "aux": r.aux}
+                       decay, denominators, **unroll_kwargs)
+        return {f.name: getattr(r, f.name) for f in fields(r)}
 
 
 def dp_world_size(mesh) -> int:
@@ -117,7 +117,7 @@ class Engine:
     """The "none" engine, and the base the others share.
 
     ``module``: the `TTTModel` to call (an ``nn.Module``; ``module.train()/eval()`` as usual).
-    ``drafter``: the drafter inside it (sharded under FSDP2 / ZeRO-3: export through
+    ``drafter``: the drafter inside it (sharded under FSDP2: export through
     ``drafter_state_dict``). The optimizer and scheduler are built here, after any sharding.
     """
 
@@ -136,12 +136,13 @@ class Engine:
 
     # --- the training step -------------------------------------------------------------------
     def unroll(self, input_ids, loss_mask, aux_hidden_states, target_logits, denominators,
-               num_steps: int, decay: float) -> TTTResult:
-        """One micro-batch's TTT unroll (bf16 autocast when precision is bf16; master weights fp32)."""
+               num_steps: int, decay: float, **unroll_kwargs) -> TTTResult:
+        """One micro-batch's ``ttt_unroll`` (same arguments; keyword ones such as attention_mask,
+        moe_aux_coef, lowrank_coef pass through). Autocasts to bf16 when precision is bf16."""
         amp = torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
         with amp:
             out = self.module(input_ids, loss_mask, aux_hidden_states, target_logits,
-                              denominators.to(input_ids.device), num_steps, decay)
+                              denominators.to(input_ids.device), num_steps, decay, **unroll_kwargs)
         return TTTResult(**out)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -207,7 +208,7 @@ class Engine:
         # Two calls, not set_state_dict: that one skips the model on ranks passing an empty dict.
         options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=self.dp_size > 1)
         set_model_state_dict(self.module, model_sd, options=options)
-        pass
+        set_optimizer_state_dict(self.module, self.optimizer, optim_sd, options=options)
 
     def save(self, path: str | Path) -> None:
         """Write the resume state into the existing directory ``path`` (collective; rank 0 writes)."""

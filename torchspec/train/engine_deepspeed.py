@@ -39,10 +39,10 @@ from torchspec.train.engine import Engine, OptimConfig, TTTModel, dp_world_size,
 TAG = "deepspeed"  # the sub-directory DeepSpeed writes into
 META_FILE = "engine.json"
 ZERO3_REFUSED = (
-    "zero_stage=3 is refused: DeepSpeed ZeRO-3 computes wrong gradients for this drafter (its decoder layer runs "
-    "ttt_steps times per forward and passes its draft KV cache between the calls, around ZeRO-3's per-module "
-    "hooks; measured on 2 ranks: gradients off by up to 17%, exact with ttt_steps=1). Use zero_stage=1 or 2, or "
-    "the fsdp2 engine, which shards parameters like ZeRO-3 and matches the single-process gradients.")
+    "zero_stage=3 is refused: DeepSpeed ZeRO-3 (0.19.8) computes wrong gradients for this drafter, whose decoder "
+    "layer runs ttt_steps times per forward (measured on 2 ranks against one process: gradients off by up to 17%; "
+    "exact with ttt_steps=1; marking the layer a ZeRO-3 leaf module trips a DeepSpeed assertion instead). Use "
+    "zero_stage=1 or 2, or the fsdp2 engine, which shards parameters like ZeRO-3 and matches one process.")
 OWNED_SECTIONS = {"optimizer": "the engine passes its own AdamW (train.lr, train.betas, train.weight_decay)",
                   "scheduler": "the engine passes its own warmup-cosine LambdaLR (train.warmup_steps, ...)",
                   "fp16": "precision comes from train.precision (fp32 | bf16)"}
@@ -178,7 +178,7 @@ class DeepSpeedEngine(Engine):
                              f"checkpoints resume with the same stage and dp world size; convert it with "
                              f"DeepSpeed's ds_to_universal to change them.")
         loaded, _ = self.ds.load_checkpoint(str(path), tag=TAG, load_module_strict=False,
-                                            load_optimizer_states=False, load_lr_scheduler_states=True)
+                                            load_optimizer_states=True, load_lr_scheduler_states=True)
         assert loaded is not None, f"DeepSpeed found no checkpoint under {path}/{TAG}"
 
     def drafter_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,22 +1,24 @@
-"""One optimizer step and the held-out evaluation.
+"""One optimizer step and the held-out evaluation, on any world = dp x tp.
 
-``train_step`` takes the micro-batches of one optimizer step (gradient accumulation), computes
-the global valid-token count of every TTT step first (contract 4: the loss of every micro-batch
-is divided by the count of the whole step, so accumulation and padding do not change the
-effective learning rate), then for each micro-batch runs the frozen target once and the TTT
-unroll of the drafter, and backpropagates. No host synchronisation happens here: the summed
-statistics stay on the device until the recipe logs them.
+``train_step`` takes this rank's micro-batches of one optimizer step (gradient accumulation),
+computes the GLOBAL valid-token count of every TTT step first (summed over micro-batches and
+all-reduced over every rank: contract 4, so accumulation, padding and dp size do not change the
+effective learning rate), then for each micro-batch runs the frozen target once for the whole
+tp group (``target_forward``: the group's union batch in one forward, each rank keeps its own
+rows), the drafter's TTT unroll through the engine, and backward. Statistics stay on the device
+until a log step, where ``StepStats.summary`` all-reduces them and syncs once.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from torchspec.distributed import all_reduce_sum, gather_tp_batch, scatter_for_rank
 from torchspec.models.moe import load_imbalance
-from torchspec.train.ttt import TTTResult, acceptance_length, summarize, ttt_unroll, valid_counts
+from torchspec.train.ttt import TTTResult, acceptance_length, summarize, valid_counts
 
 
 @dataclass(frozen=True)
@@ -44,16 +46,24 @@ class StepStats:
         def acc(old, new):
             return new.detach().clone() if old is None else old + new.detach()
 
-        self.loss = acc(self.loss, result.loss)
-        self.kl_sum = acc(self.kl_sum, result.kl_sum)
+        self.loss = acc(self.loss, result.loss.double())
+        self.kl_sum = acc(self.kl_sum, result.kl_sum.double())
         self.correct = acc(self.correct, result.correct)
         self.valid = acc(self.valid, result.valid)
         for key, value in result.aux.items():
-            self.extra[key] = acc(self.extra.get(key), value)
+            self.extra[key] = acc(self.extra.get(key), value.double())
         self.tokens += tokens
 
+    def all_reduce(self) -> None:
+        """Sum over every rank: each holds different sequences (loss terms are already divided by
+        the global count, so their sum is the global loss)."""
+        for name in ("loss", "kl_sum", "correct", "valid"):
+            all_reduce_sum(getattr(self, name))
+        for value in self.extra.values():
+            all_reduce_sum(value)
+
     def summary(self, prefix: str) -> dict[str, float]:
-        """Host sync happens here (log steps only)."""
+        """Host sync happens here (log steps only). Call ``all_reduce`` first on every rank."""
         out = {f"{prefix}/{k}": v for k, v in summarize(self.kl_sum, self.correct, self.valid).items()}
         out[f"{prefix}/loss"] = float(self.loss) / max(self.steps, 1)
         if "moe_expert_load" in self.extra:  # [K, E] token-slot counts summed since the last log
@@ -73,54 +83,63 @@ class StepStats:
         return out
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+def target_forward(target, batch: dict[str, torch.Tensor], tp_group) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The frozen target on this rank's sequences: (3 aux states, post-norm last hidden state).
+
+    With a tp group, the group's ranks run ONE forward over the union of their micro-batches
+    (only token ids and masks travel) and each keeps its own rows; every rank of the group must
+    call this the same number of times (the forward contains collectives).
+    """
+    if tp_group is None:
+        out = target(batch["input_ids"], attention_mask=batch["attention_mask"])
+        return out.aux_hidden_states, out.last_hidden_state
+    union, layout = gather_tp_batch(
+        {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, tp_group)
+    out = target(union["input_ids"], attention_mask=union["attention_mask"])
+    r = dist.get_rank(tp_group)
+    return [scatter_for_rank(a, layout, r) for a in out.aux_hidden_states], scatter_for_rank(out.last_hidden_state, layout, r)
 
 
-def run_micro_batch(target, drafter, batch: dict[str, torch.Tensor], opts: TTTOptions,
-                    denominators: torch.Tensor, amp_dtype: torch.dtype | None) -> TTTResult:
-    device = batch["input_ids"].device
-    out = target(batch["input_ids"], attention_mask=batch["attention_mask"])
+def run_micro_batch(target, engine, batch: dict[str, torch.Tensor], opts: TTTOptions,
+                    denominators: torch.Tensor, tp_group=None) -> TTTResult:
+    aux, last = target_forward(target, batch, tp_group)
     with torch.no_grad():
-        target_logits = target.target_logits(out.last_hidden_state)  # [B, T, V] fp32
-    with autocast(device, amp_dtype):
-        return ttt_unroll(drafter, batch["input_ids"], batch["loss_mask"], out.aux_hidden_states,
-                          target_logits, opts.num_steps, opts.decay, denominators.to(device),
-                          attention_mask=batch["attention_mask"], moe_aux_coef=opts.moe_aux_coef,
-                          lowrank_coef=opts.lowrank_coef, lowrank_teacher=opts.lowrank_teacher)
+        target_logits = target.target_logits(last)  # [B, T, V] fp32, this rank's rows only
+    return engine.unroll(batch["input_ids"], batch["loss_mask"], aux, target_logits, denominators,
+                         opts.num_steps, opts.decay, attention_mask=batch["attention_mask"],
+                         moe_aux_coef=opts.moe_aux_coef, lowrank_coef=opts.lowrank_coef,
+                         lowrank_teacher=opts.lowrank_teacher)
 
 
-def train_step(target, drafter, optimizer, scheduler, micro_batches: list[dict[str, torch.Tensor]],
-               opts: TTTOptions, max_grad_norm: float, amp_dtype: torch.dtype | None,
-               stats: StepStats) -> torch.Tensor:
-    """One optimizer step over ``micro_batches``. Returns the (device) gradient norm."""
-    denominators = sum(valid_counts(mb["loss_mask"], opts.num_steps) for mb in micro_batches)
+def global_denominators(batches: list[dict[str, torch.Tensor]], num_steps: int) -> torch.Tensor:
+    """[K] valid-token counts of the whole optimizer step over every rank (one small all-reduce)."""
+    return all_reduce_sum(sum(valid_counts(b["loss_mask"], num_steps) for b in batches))
+
+
+def train_step(target, engine, micro_batches: list[dict[str, torch.Tensor]], opts: TTTOptions,
+               stats: StepStats, tp_group=None) -> torch.Tensor:
+    """One optimizer step over this rank's ``micro_batches``. Returns the (device) gradient norm."""
+    denominators = global_denominators(micro_batches, opts.num_steps)
     for mb in micro_batches:
-        result = run_micro_batch(target, drafter, mb, opts, denominators, amp_dtype)
-        result.loss.backward()
+        result = run_micro_batch(target, engine, mb, opts, denominators, tp_group)
+        engine.backward(result.loss)
         stats.add(result, tokens=int(mb["attention_mask"].numel()))
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = engine.step()
     stats.steps += 1
     return grad_norm
 
 
 @torch.no_grad()
-def evaluate(target, drafter, batches: list[dict[str, torch.Tensor]], opts: TTTOptions,
-             amp_dtype: torch.dtype | None) -> dict[str, float]:
-    """Held-out metrics over a fixed list of batches (same batches every time)."""
-    was_training = drafter.training
-    drafter.eval()
+def evaluate(target, engine, batches: list[dict[str, torch.Tensor]], opts: TTTOptions,
+             tp_group=None) -> dict[str, float]:
+    """Held-out metrics over this rank's fixed list of batches (every rank the same count)."""
+    engine.module.eval()
     stats = StepStats()
-    denominators = sum(valid_counts(b["loss_mask"], opts.num_steps) for b in batches)
+    denominators = global_denominators(batches, opts.num_steps)
     for b in batches:
-        stats.add(run_micro_batch(target, drafter, b, opts, denominators, amp_dtype),
+        stats.add(run_micro_batch(target, engine, b, opts, denominators, tp_group),
                   tokens=int(b["attention_mask"].numel()))
     stats.steps = 1
-    drafter.train(was_training)
+    stats.all_reduce()
+    engine.module.train()
     return stats.summary("eval")

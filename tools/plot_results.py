@@ -1,0 +1,62 @@
+"""Plot the benchmark JSONs under docs/bench/ into PNGs under docs/img/ (for docs/results.md).
+
+    python tools/plot_results.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plot_attention(src: Path, out: Path) -> None:
+    rows = json.loads(src.read_text())["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, backend in zip(axes, ("chunked", "flex")):
+        for window, style in ((None, "o--"), (4096, "o-")):
+            pts = sorted((r["T"], r["median_ms"] / r["T"] * 1000) for r in rows
+                         if r["backend"] == backend and r["k"] == 3 and r["window"] == window
+                         and r["mode"] == "fwd+bwd" and r.get("median_ms") is not None)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"window={window or 'none'}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context T (tokens)")
+        ax.set_ylabel("µs per token (fwd+bwd, TTT step k=3)")
+        ax.set_title(f"drafter attention, {backend}, H200 bf16")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_lm_head(src: Path, out: Path) -> None:
+    rows = [r for r in json.loads(src.read_text())["rows"] if r["variant"] == "graph"]
+    heads = ["eagle3_pruned", "eagle4_full", "eagle4_efficient"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.38
+    for i, mode in enumerate(("chain", "tree")):
+        shares = [100 * next(r["head_share"] for r in rows if r["mode"] == mode and r["head"] == h) for h in heads]
+        ax.bar([x + i * width for x in range(3)], shares, width, label=f"{mode} ({'1' if mode == 'chain' else '16'} tokens)")
+    ax.set_xticks([x + width / 2 for x in range(3)], ["EAGLE-3 32K pruned", "EAGLE-4 full 248K", "EAGLE-4 efficient"])
+    ax.set_ylabel("LM head share of a draft step (%)")
+    ax.set_title("LM-head cost, H=5120, V=248,320, bf16, H200, CUDA graphs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    bench, img = ROOT / "docs" / "bench", ROOT / "docs" / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    if (bench / "attention_h200.json").exists():
+        plot_attention(bench / "attention_h200.json", img / "attention_long_context.png")
+    if (bench / "lm_head_h200.json").exists():
+        plot_lm_head(bench / "lm_head_h200.json", img / "lm_head_share.png")
+    print("wrote", sorted(p.name for p in img.glob("*.png")))
