@@ -135,7 +135,6 @@ def _choice(value: Any, name: str, choices: tuple[str, ...]) -> None:
 def validate_config(cfg: Config) -> None:
     """Checks that need no target: ranges, choices. Raises ValueError naming the key and the fix."""
     from torchspec.models import DRAFTERS
-
     from torchspec.models.attention import TTT_ATTENTION
 
     t = cfg.train

@@ -26,6 +26,24 @@ _HF_BOOKKEEPING = {
 }
 
 
+# Fields every drafter shares: sizes from the target, positions, and the target's identity.
+SHARED_ARCH_FIELDS: dict[str, tuple[Any, str]] = {
+    "vocab_size": (None, "target vocabulary size V; the frozen embedding covers all of it"),
+    "hidden_size": (None, "drafter width H, equal to the target hidden size"),
+    "num_attention_heads": (None, "query heads of the decoder layer"),
+    "num_key_value_heads": (None, "key/value heads of the decoder layer (GQA)"),
+    "head_dim": (None, "per-head dimension"),
+    "intermediate_size": (None, "SwiGLU MLP inner width"),
+    "rms_norm_eps": (1e-6, "epsilon of every RMSNorm"),
+    "rope_theta": (10000.0, "RoPE base; positions of TTT step k at base position t are t + k"),
+    "max_position_embeddings": (4096, "longest context the drafter is configured for"),
+    "aux_layer_ids": (None, "target layers captured, 0-indexed, residual stream AFTER the layer"),
+    "target_num_layers": (None, "decoder layers of the target the drafter was trained on"),
+}
+SHARED_REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                   "intermediate_size", "aux_layer_ids", "target_num_layers")
+
+
 class StrictDrafterConfig(PretrainedConfig):
     ARCH_FIELDS: ClassVar[dict[str, tuple[Any, str]]] = {}
     # Fields that must be given explicitly (no sensible default: they come from the target).
@@ -46,7 +64,23 @@ class StrictDrafterConfig(PretrainedConfig):
         self.validate()
 
     def validate(self) -> None:
-        """Override to reject incompatible flag combinations (raise ValueError)."""
+        """Checks every drafter shares; subclasses extend it (call super) for their own flags."""
+        name = type(self).__name__
+        missing = [key for key in self.REQUIRED if getattr(self, key) is None]
+        if missing:
+            raise ValueError(f"{name}: {missing} must be set (they come from the target and drafter config).")
+        # PretrainedConfig keeps unknown kwargs as attributes; they would be written to config.json and
+        # make it unloadable (contract 6), so refuse them here.
+        unknown = sorted(set(self.to_dict()) - set(self.ARCH_FIELDS) - _HF_BOOKKEEPING)
+        if unknown:
+            raise ValueError(f"{name}: unknown keys {unknown}; it takes {sorted(self.ARCH_FIELDS)}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"{name}: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; choose heads that divide."
+            )
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"{name}: aux_layer_ids={self.aux_layer_ids} must hold 3 layer ids.")
 
     @classmethod
     def check_keys(cls, config_dict: dict[str, Any], source: str) -> None:

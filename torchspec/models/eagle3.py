@@ -48,56 +48,30 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from torchspec.models.config_base import _HF_BOOKKEEPING, StrictDrafterConfig
+from torchspec.models.config_base import SHARED_ARCH_FIELDS, SHARED_REQUIRED, StrictDrafterConfig
 from torchspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 
 
 class Eagle3Config(StrictDrafterConfig):
     model_type = "torchspec_eagle3"
     ARCH_FIELDS = {
-        "vocab_size": (None, "target vocabulary size V; the frozen embedding covers it and t2d has V entries"),
+        **SHARED_ARCH_FIELDS,
         "draft_vocab_size": (None, "draft vocabulary size Vd <= V scored by lm_head; draft id i is target "
                              "id i + d2t[i] (d2t, t2d are buffers in the weights)"),
-        "hidden_size": (None, "drafter width H, equal to the target hidden size"),
-        "num_attention_heads": (None, "query heads of the decoder layer"),
-        "num_key_value_heads": (None, "key/value heads of the decoder layer (GQA)"),
-        "head_dim": (None, "per-head dimension"),
-        "intermediate_size": (None, "SwiGLU MLP inner width"),
-        "rms_norm_eps": (1e-6, "epsilon of every RMSNorm"),
-        "rope_theta": (10000.0, "RoPE base; positions of TTT step k at base position t are t + k"),
-        "max_position_embeddings": (4096, "longest context the drafter is configured for"),
-        "aux_layer_ids": (None, "target layers captured, 0-indexed, residual stream AFTER the layer"),
-        "target_num_layers": (None, "decoder layers of the target the drafter was trained on"),
         "fc_norm": (False, "EAGLE-3.1: RMS-normalise each of the three captured states separately before fc"),
         "norm_output": (False, "EAGLE-3.1: feed the final-normalised layer output (after norm) back as the "
                         "next step's hidden; False feeds the pre-norm residual stream (plain EAGLE-3)"),
     }
-    REQUIRED = ("vocab_size", "draft_vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "intermediate_size", "aux_layer_ids", "target_num_layers")
+    REQUIRED = (*SHARED_REQUIRED, "draft_vocab_size")
 
     def validate(self) -> None:
-        missing = [name for name in self.REQUIRED if getattr(self, name) is None]
-        if missing:
-            raise ValueError(f"Eagle3Config: {missing} must be set (they come from the target and drafter "
-                             f"config).")
-        # PretrainedConfig keeps unknown kwargs as attributes; they would be written to config.json and
-        # make it unloadable (contract 6), so refuse them here (e.g. EAGLE-4's fc_post_norm).
-        unknown = sorted(set(self.to_dict()) - set(self.ARCH_FIELDS) - _HF_BOOKKEEPING)
-        if unknown:
-            raise ValueError(f"Eagle3Config: unknown keys {unknown}; EAGLE-3 takes {sorted(self.ARCH_FIELDS)}.")
+        super().validate()
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"Eagle3Config: draft_vocab_size={self.draft_vocab_size} must lie in [1, vocab_size="
                 f"{self.vocab_size}]; the draft vocabulary is a subset of the target's (set "
                 f"drafter.draft_vocab_size <= the target vocab)."
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"Eagle3Config: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}; choose heads that divide."
-            )
-        if len(self.aux_layer_ids) != 3:
-            raise ValueError(f"Eagle3Config: aux_layer_ids={self.aux_layer_ids} must hold 3 layer ids.")
 
 
 def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> None:

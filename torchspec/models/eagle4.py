@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from torchspec.models.config_base import StrictDrafterConfig
+from torchspec.models.config_base import SHARED_ARCH_FIELDS, SHARED_REQUIRED, StrictDrafterConfig
 from torchspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 from torchspec.models.lm_head import EfficientLMHead
 from torchspec.models.moe import MoEMLP
@@ -32,17 +32,7 @@ from torchspec.models.moe import MoEMLP
 class Eagle4Config(StrictDrafterConfig):
     model_type = "torchspec_eagle4"
     ARCH_FIELDS = {
-        "vocab_size": (None, "target vocabulary size; the embedding and LM head cover all of it"),
-        "hidden_size": (None, "drafter width H, equal to the target hidden size"),
-        "num_attention_heads": (None, "query heads of the decoder layer"),
-        "num_key_value_heads": (None, "key/value heads of the decoder layer (GQA)"),
-        "head_dim": (None, "per-head dimension"),
-        "intermediate_size": (None, "SwiGLU MLP inner width"),
-        "rms_norm_eps": (1e-6, "epsilon of every RMSNorm"),
-        "rope_theta": (10000.0, "RoPE base; positions of TTT step k at base position t are t + k"),
-        "max_position_embeddings": (4096, "longest context the drafter is configured for"),
-        "aux_layer_ids": (None, "target layers captured, 0-indexed, residual stream AFTER the layer"),
-        "target_num_layers": (None, "decoder layers of the target the drafter was trained on"),
+        **SHARED_ARCH_FIELDS,
         "fc_norm": (True, "RMS-normalise each of the three captured states separately before fc"),
         "fc_post_norm": (True, "RMSNorm applied right after fc (3H -> H), before the first step"),
         "norm_output": (True, "feed the final-normalised layer output back as the next step's hidden "
@@ -66,18 +56,10 @@ class Eagle4Config(StrictDrafterConfig):
         "moe_extra_norm": (True, "RMSNorm on the MoE output before the residual add (EAGLE-4's extra "
                            "normalisation after the dense part; the MoE input is already normalised)"),
     }
-    REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "aux_layer_ids", "target_num_layers")
+    REQUIRED = SHARED_REQUIRED
 
     def validate(self) -> None:
-        missing = [name for name in self.REQUIRED if getattr(self, name) is None]
-        if missing:
-            raise ValueError(f"Eagle4Config: {missing} must be set (they come from the target config).")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"Eagle4Config: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}; choose heads that divide."
-            )
+        super().validate()
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"Eagle4Config: sliding_window={self.sliding_window} must be null or an int >= 1.")
         if self.lm_head_rank and not (1 <= self.lm_head_rank <= self.hidden_size and 1 <= self.lm_head_topk <= self.vocab_size):
@@ -89,8 +71,6 @@ class Eagle4Config(StrictDrafterConfig):
             raise ValueError(
                 f"Eagle4Config: moe_top_k={self.moe_top_k} must lie in [1, moe_num_experts={self.moe_num_experts}]."
             )
-        if len(self.aux_layer_ids) != 3:
-            raise ValueError(f"Eagle4Config: aux_layer_ids={self.aux_layer_ids} must hold 3 layer ids.")
 
 
 class Eagle4DecoderLayer(nn.Module):
