@@ -1,0 +1,316 @@
+"""Drafter -> serving export: one directory a runtime loads, tied to the target it was trained on.
+
+Layout of an export directory::
+
+    config.json         the drafter's own config (every architecture flag + ``flag_meanings``,
+                        exactly what ``save_pretrained`` writes, contract 6), plus
+                        "target": {vocab_size, hidden_size, num_hidden_layers, aux_layer_ids,
+                                   model_type, fingerprint}   the target it must be served with
+                        "torchspec_export_version": 1
+    model.safetensors   every drafter tensor under the drafter's own names, in the export dtype;
+                        integer/bool buffers (EAGLE-3's d2t/t2d) keep their dtype
+
+**The frozen embedding is included.** A runtime needs it, and a self-contained file is what the
+SGLang/vLLM EAGLE-3 checkpoints ship too. It costs V*H elements (248K x 5120 in bf16: 2.5 GB);
+the fingerprint below lets a runtime check it belongs to the target it is paired with.
+
+**Target fingerprint** (``weights_fingerprint``): the first 16 hex digits of sha256 over
+``"V,H"`` and then, for the embedding and for the lm_head in that order, the rows at
+``linspace(0, V-1, 64)`` (rounded down; first and last rows always included), each rounded to
+bf16 and written as little-endian fp32 bytes. It reads 2 x 64 rows, so it is cheap for a
+248K x 5120 target, and depends on weight values only: a tied target (lm_head *is* the
+embedding) and an untied checkpoint holding equal copies hash alike, and the bf16 rounding makes
+an fp32-loaded and a bf16-loaded copy of one checkpoint hash alike too.
+
+Loading is strict (``load_exported_drafter``): unknown/missing config keys, unknown/missing/
+mis-shaped tensors and a target that does not match are refused with their names; nothing is
+ever skipped or initialised silently. ``export_from_checkpoint`` rebuilds the drafter of a
+training run (``<run_dir>/config.yaml`` + ``checkpoints/step_N``) and exports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from torchspec.models import DRAFTERS
+from torchspec.train.checkpoint import atomic_save_dir
+
+EXPORT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+FINGERPRINT_ROWS = 64
+# What a target must agree on for a drafter to be served with it.
+IDENTITY_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "fingerprint")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+# --- target identity ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def weights_fingerprint(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> str:
+    """Short stable hash of a target's embedding and lm_head, both [V, H] (see module docstring)."""
+    v, h = embed_weight.shape
+    if tuple(lm_head_weight.shape) != (v, h):
+        raise ValueError(f"target fingerprint: embedding {tuple(embed_weight.shape)} and lm_head "
+                         f"{tuple(lm_head_weight.shape)} must both be [vocab, hidden].")
+    rows = torch.linspace(0, v - 1, FINGERPRINT_ROWS, dtype=torch.float64).long().unique()
+    digest = hashlib.sha256(f"{v},{h}".encode())
+    for weight in (embed_weight, lm_head_weight):
+        sample = weight.detach().index_select(0, rows.to(weight.device)).to("cpu", torch.bfloat16).float()
+        digest.update(sample.numpy().astype("<f4").tobytes())
+    return digest.hexdigest()[:16]
+
+
+def target_identity(target_model) -> dict[str, Any]:
+    """The identity block of an export, from a ``torchspec.target.TargetModel``."""
+    return {
+        "vocab_size": int(target_model.vocab_size),
+        "hidden_size": int(target_model.hidden_size),
+        "num_hidden_layers": int(target_model.num_layers),
+        "aux_layer_ids": [int(i) for i in target_model.aux_layer_ids],
+        "model_type": target_model.config.model_type,
+        "fingerprint": weights_fingerprint(target_model.embed_tokens_weight, target_model.lm_head_weight),
+    }
+
+
+# --- export ----------------------------------------------------------------------------------------
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {sorted(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def _is_export_dir(path: Path) -> bool:
+    try:
+        return "torchspec_export_version" in json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _check_drafter_matches_target(config, target: dict[str, Any]) -> None:
+    pairs = {"vocab_size": (config.vocab_size, target["vocab_size"]),
+             "hidden_size": (config.hidden_size, target["hidden_size"]),
+             "num_hidden_layers": (config.target_num_layers, target["num_hidden_layers"]),
+             "aux_layer_ids": (list(config.aux_layer_ids), list(target["aux_layer_ids"]))}
+    differ = {k: v for k, v in pairs.items() if v[0] != v[1]}
+    if differ:
+        raise ValueError("export: the drafter was not built for this target: " + ", ".join(
+            f"{k} drafter {a} vs target {b}" for k, (a, b) in differ.items()) + ".")
+
+
+def export_drafter(drafter: nn.Module, out_dir: str | Path, *, dtype: torch.dtype | str,
+                   target_identity: dict[str, Any]) -> dict[str, Any]:
+    """Write ``drafter`` as an export directory (layout: module docstring); returns a summary.
+
+    Atomic: written into a temporary sibling and renamed into place, so ``out_dir`` is the old
+    export or the new one, never half of one. An existing ``out_dir`` that is neither empty nor an
+    export is refused rather than replaced.
+    """
+    dtype = _resolve_dtype(dtype)
+    out_dir = Path(out_dir)
+    missing = [k for k in (*IDENTITY_KEYS, "aux_layer_ids", "model_type") if k not in target_identity]
+    if missing:
+        raise ValueError(f"export: target_identity lacks {missing}; build it with target_identity(target).")
+    _check_drafter_matches_target(drafter.config, target_identity)
+    if out_dir.exists() and not (out_dir.is_dir() and (not any(out_dir.iterdir()) or _is_export_dir(out_dir))):
+        raise ValueError(f"export: {out_dir} exists and is not a torchspec export; refusing to overwrite it. "
+                         f"Choose a new or empty directory.")
+
+    tensors = {name: (t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().cpu()).contiguous()
+               for name, t in drafter.state_dict().items()}
+    config = drafter.config.to_dict()
+    config["architectures"] = [type(drafter).__name__]
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config["target"] = {k: target_identity[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                        "aux_layer_ids", "model_type", "fingerprint")}
+    config["torchspec_export_version"] = EXPORT_VERSION
+
+    def write(tmp: Path) -> None:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        for file in tmp.iterdir():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        out_dir.rmdir()  # an empty directory is "new": let the rename create it
+    atomic_save_dir(out_dir, write)
+    return {"path": str(out_dir), "num_tensors": len(tensors),
+            "num_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "dtype": config["dtype"], "target": config["target"]}
+
+
+# --- strict load -----------------------------------------------------------------------------------
+
+def _drafter_classes(model_type: str | None) -> tuple[type, type]:
+    for config_cls, model_cls in DRAFTERS.values():
+        if config_cls.model_type == model_type:
+            return config_cls, model_cls
+    known = sorted(c.model_type for c, _ in DRAFTERS.values())
+    raise ValueError(f"export config.json: model_type={model_type!r} is not a torchspec drafter; known: {known}.")
+
+
+def check_target(expected: dict[str, Any], target, source: str = "this drafter") -> None:
+    """Refuse a target (TargetModel or identity dict) whose identity differs from ``expected``."""
+    got = target if isinstance(target, dict) else target_identity(target)
+    differ = [k for k in IDENTITY_KEYS if expected.get(k) != got.get(k)]
+    if differ:
+        def show(d: dict) -> str:
+            return ", ".join(f"{k} {d.get(k)}" for k in differ)
+        raise ValueError(f"{source} was exported for a target with {show(expected)}; got a target with {show(got)}. "
+                         f"Serve it with the target it was trained on.")
+
+
+def _cast_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast parameters and persistent floating buffers; non-persistent tables (RoPE inv_freq) stay fp32."""
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_floating_point() and name not in module._non_persistent_buffers_set:
+                setattr(module, name, b.to(dtype))
+
+
+def load_exported_drafter(path: str | Path, *, target=None, dtype: torch.dtype | str | None = None,
+                          attn_backend: str = "chunked") -> nn.Module:
+    """Load an export strictly; ``target`` (TargetModel or identity dict) is checked if given.
+
+    ``dtype``: the dtype of the returned drafter's floating weights (default: the export's).
+    """
+    path = Path(path)
+    config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not config_file.is_file() or not weights_file.is_file():
+        raise ValueError(f"{path} is not a torchspec export: it needs {CONFIG_FILE} and {WEIGHTS_FILE}.")
+    config_dict = json.loads(config_file.read_text())
+    version = config_dict.pop("torchspec_export_version", None)
+    if version != EXPORT_VERSION:
+        raise ValueError(f"{config_file}: torchspec_export_version={version!r}, this torchspec reads {EXPORT_VERSION}.")
+    expected_target = config_dict.pop("target", None)
+    if not isinstance(expected_target, dict) or any(k not in expected_target for k in IDENTITY_KEYS):
+        raise ValueError(f"{config_file}: the 'target' block must hold {list(IDENTITY_KEYS)}.")
+    if target is not None:
+        check_target(expected_target, target, source=f"the drafter at {path}")
+
+    config_cls, model_cls = _drafter_classes(config_dict.get("model_type"))
+    config_cls.check_keys(config_dict, source=str(config_file))
+    config = config_cls(**{k: v for k, v in config_dict.items() if k in config_cls.ARCH_FIELDS})
+    model = model_cls(config, attn_backend=attn_backend)
+
+    expected = model.state_dict()
+    with safe_open(str(weights_file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    unknown = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(tensors))
+    shapes = [f"{k} {list(tensors[k].shape)} (expected {list(expected[k].shape)})"
+              for k in sorted(set(tensors) & set(expected)) if tensors[k].shape != expected[k].shape]
+    kinds = [f"{k} {tensors[k].dtype} (expected {expected[k].dtype})" for k in sorted(set(tensors) & set(expected))
+             if not expected[k].is_floating_point() and tensors[k].dtype != expected[k].dtype]
+    problems = [f"{label}: {items}" for label, items in (
+        ("unknown tensors", [f"{k} {list(tensors[k].shape)}" for k in unknown]),
+        ("missing tensors", [f"{k} {list(expected[k].shape)}" for k in missing]),
+        ("mis-shaped tensors", shapes), ("wrong-dtype buffers", kinds)) if items]
+    if problems:
+        raise ValueError(f"{weights_file} does not match {model_cls.__name__} built from its config.json: "
+                         + "; ".join(problems) + ".")
+    model.load_state_dict(tensors, strict=True)  # EAGLE-3: checks and locks the loaded vocab mapping
+    float_dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    out_dtype = _resolve_dtype(dtype) if dtype is not None else (float_dtypes.pop() if len(float_dtypes) == 1
+                                                                 else torch.float32)
+    _cast_weights(model, out_dtype)
+    return model.eval()
+
+
+# --- from a training run ---------------------------------------------------------------------------
+
+def _checkpoint_dir(run_dir: Path, step: int | str | None) -> Path:
+    root = run_dir / "checkpoints"
+    if step is None or step == "latest":
+        latest = root / "latest"
+        if not latest.is_file():
+            raise ValueError(f"{run_dir} has no {latest.relative_to(run_dir)}: no complete checkpoint to export. "
+                             f"Pass a training run's output_dir.")
+        path = root / latest.read_text().strip()
+    else:
+        path = root / f"step_{int(step):06d}"
+    if not (path / "state.pt").is_file():
+        have = sorted(p.name for p in root.glob("step_*") if (p / "state.pt").is_file()) if root.is_dir() else []
+        raise ValueError(f"checkpoint {path} is missing or incomplete; {run_dir} has {have or 'none'}.")
+    return path
+
+
+def export_from_checkpoint(run_dir: str | Path, out_dir: str | Path, *, step: int | str | None = None,
+                           dtype: torch.dtype | str = "bfloat16") -> dict[str, Any]:
+    """Rebuild the drafter of a training run at ``step`` (default: latest) and export it.
+
+    Loads the whole target (``TargetModel.from_pretrained``, in the run's ``target.dtype`` so the
+    frozen embedding is bit-identical to training's) for its config, embedding and lm_head; a
+    later version could read only those tensors from the checkpoint's safetensors.
+    """
+    from omegaconf import OmegaConf
+
+    from torchspec.config import Config, validate_config
+    from torchspec.models import build_drafter
+    from torchspec.target import TargetModel, resolve_target_path
+
+    run_dir = Path(run_dir)
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise ValueError(f"{config_file} is missing: pass the output_dir of a torchspec-train run.")
+    cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(config_file)))
+    validate_config(cfg)
+    ckpt = _checkpoint_dir(run_dir, step)
+    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
+    if state["engine"] == "deepspeed":
+        raise ValueError(
+            f"{ckpt} was written by the DeepSpeed engine (per-rank ZeRO shards under deepspeed/). Export from the "
+            f"run's final {run_dir / 'drafter'} (save_pretrained) instead, or consolidate the shards with "
+            f"DeepSpeed's zero_to_fp32 (deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint).")
+    engine_state = torch.load(ckpt / "engine.pt", map_location="cpu", weights_only=False, mmap=True)
+
+    target_path = resolve_target_path(cfg.target.path, os.path.expanduser(cfg.target.cache_dir))
+    aux_ids = state["extra"].get("aux_layer_ids")
+    target_dtype = DTYPES[cfg.target.dtype]
+    target = TargetModel.from_pretrained(target_path, aux_layer_ids=aux_ids, dtype=target_dtype)
+    aux_ids = target.aux_layer_ids
+
+    drafter = build_drafter(cfg.drafter, target.config, aux_ids)
+    if "vocab_mapping" in state["extra"]:
+        drafter.set_vocab_mapping(*state["extra"]["vocab_mapping"])
+    drafter.lm_head.weight.requires_grad_(not cfg.drafter.freeze_lm_head)  # as recipes/train.py build_model
+    # engine.pt's "model" holds the trainable parameters and the persistent buffers (EAGLE-3's d2t/t2d).
+    params = dict(drafter.named_parameters())
+    frozen = sorted(n for n, p in params.items() if not p.requires_grad)
+    expected = {n: t for n, t in drafter.state_dict().items() if n not in frozen}
+    head_from_target = "lm_head.weight" in frozen
+    if head_from_target and not cfg.drafter.init_lm_head_from_target:
+        raise ValueError("drafter.freeze_lm_head=true with init_lm_head_from_target=false: the frozen random LM head "
+                         "is not in the checkpoint, so it cannot be exported.")
+    unexpected = sorted(set(frozen) - {"embed_tokens.weight", "lm_head.weight"})
+    assert not unexpected, f"frozen drafter weights with no source: {unexpected}"
+
+    weights = engine_state["model"]
+    missing, unknown = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    shapes = [f"{k} {list(weights[k].shape)} (expected {list(expected[k].shape)})"
+              for k in sorted(set(weights) & set(expected)) if weights[k].shape != expected[k].shape]
+    if missing or unknown or shapes:
+        raise ValueError(f"{ckpt / 'engine.pt'} does not match the drafter of {config_file}: missing {missing}, "
+                         f"unknown {unknown}, mis-shaped {shapes}.")
+    with torch.no_grad():
+        # EAGLE-3: the head rows are picked through the mapping set above. An efficient head's scorer
+        # is SVD-initialised here and then overwritten by the checkpoint's trained one.
+        drafter.init_from_target(target.embed_tokens_weight, target.lm_head_weight, init_lm_head=head_from_target)
+    drafter.load_state_dict(weights, strict=False)  # keys checked above; EAGLE-3 locks its mapping
+    summary = export_drafter(drafter.float(), out_dir, dtype=dtype, target_identity=target_identity(target))
+    return {**summary, "checkpoint": str(ckpt), "step": int(state["step"])}
