@@ -28,6 +28,7 @@ from torchspec.config import Config, register_configs, validate_against_target, 
 from torchspec.data import ResumableBatchSampler, build_datasets, collate, shard_for_rank
 from torchspec.data.vocab import build_vocab_mapping, token_frequencies, vocab_coverage
 from torchspec.distributed import DistInfo, barrier, build_mesh, init_distributed, is_rank0, seed_everything
+from torchspec.export.serving import is_export, load_exported_drafter
 from torchspec.models import build_drafter
 from torchspec.target import TargetModel, load_target_config, load_tokenizer, resolve_target_path
 from torchspec.target.parallelize import load_tp_target
@@ -72,8 +73,28 @@ def build_model(cfg: Config, target: TargetModel, aux_ids: list[int], train_set)
         log.info("draft vocabulary %d / %d covers %.1f%% of assistant tokens", drafter.config.draft_vocab_size,
                  target.vocab_size, 100 * vocab_coverage(freqs, t2d))
     drafter.init_from_target(target.embed_tokens_weight, target.lm_head_weight, cfg.drafter.init_lm_head_from_target)
+    if cfg.train.init_from:
+        load_initial_weights(drafter, cfg.train.init_from, target)
     drafter.lm_head.weight.requires_grad_(not cfg.drafter.freeze_lm_head)
     return drafter.float().train()
+
+
+def load_initial_weights(drafter, path: str, target: TargetModel) -> None:
+    """train.init_from: copy every weight (and an EAGLE-3 vocab mapping) from a saved drafter whose
+    architecture equals the configured one; the target pairing is checked for exports."""
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"train.init_from={path!r}: no config.json there; pass a drafter directory "
+                         f"(save_pretrained, torchspec-export or torchspec-convert output).")
+    source = load_exported_drafter(path, target=target) if is_export(path) else type(drafter).from_pretrained(path)
+    mine, theirs = drafter.config.to_dict(), source.config.to_dict()
+    differ = sorted(k for k in type(drafter.config).ARCH_FIELDS if mine.get(k) != theirs.get(k))
+    if type(source) is not type(drafter) or differ:
+        raise ValueError(f"train.init_from={path!r} holds a {type(source).__name__} that differs from the configured "
+                         f"{type(drafter).__name__} in {differ}; set the drafter config to match it.")
+    if hasattr(drafter, "set_vocab_mapping"):
+        drafter.set_vocab_mapping(source.d2t, source.t2d, force=True)  # the weights come with their mapping
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in source.state_dict().items()})
+    log.info("initialised all drafter weights from %s (weights only; optimizer and schedule start fresh)", path)
 
 
 def build_train_engine(cfg: Config, drafter, info: DistInfo):

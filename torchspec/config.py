@@ -92,6 +92,9 @@ class TrainConfig:
     save_every: int = 500  # 0: only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto (latest in output_dir if any) | never | <checkpoint dir>
+    # Weights-only start (unlike resume: no optimizer, schedule, data position or step): a drafter
+    # directory written by save_pretrained, torchspec-export or torchspec-convert.
+    init_from: str | None = None
     report_to: str = "wandb"  # wandb (offline unless WANDB_MODE says otherwise) | none
     wandb_project: str = "torchspec"
     num_threads: int | None = None  # torch CPU threads; null: torch's default

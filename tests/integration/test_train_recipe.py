@@ -112,3 +112,20 @@ def test_every_preset_trains_through_the_recipe(tmp_path, tiny_llama_dir, tiny_c
         assert any("train/moe_load_imbalance" in r for r in records)
     if preset == "eagle4" and extra:
         assert written["sliding_window"] == 8 and written["nope"] is True
+
+
+def test_init_from_is_weights_only_and_checks_the_architecture(tmp_path, tiny_llama_dir, tiny_chat_jsonl):
+    base = ("drafter.lm_head_rank=0", "train.save_every=0", "train.plot=false")
+    first = run_recipe(tmp_path / "a", tiny_llama_dir, tiny_chat_jsonl, *base, "train.max_steps=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_recipe(tmp_path / "b", tiny_llama_dir, tiny_chat_jsonl, *base, "train.max_steps=2",
+                        f"train.init_from={tmp_path / 'a' / 'drafter'}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    end_of_a = [r for r in read(tmp_path / "a" / "metrics.jsonl") if "eval/loss" in r][-1]
+    start_of_b = [r for r in read(tmp_path / "b" / "metrics.jsonl") if "eval/loss" in r][0]
+    assert start_of_b["step"] == 0
+    assert start_of_b["eval/loss"] == end_of_a["eval/loss"]  # same weights, same held-out set
+    assert [r["train/lr"] for r in read(tmp_path / "b" / "metrics.jsonl") if "train/lr" in r]  # fresh schedule
+    wrong = run_recipe(tmp_path / "c", tiny_llama_dir, tiny_chat_jsonl, *base, "train.max_steps=2",
+                       "drafter.norm_output=false", f"train.init_from={tmp_path / 'a' / 'drafter'}")
+    assert wrong.returncode == 2 and "differs from the configured Eagle4Drafter in ['norm_output']" in wrong.stderr

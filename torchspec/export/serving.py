@@ -183,6 +183,12 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(module, name, b.to(dtype))
 
 
+def is_export(path: str | Path) -> bool:
+    """True if ``path`` holds a torchspec-export directory (config.json with a target block)."""
+    config = Path(path) / "config.json"
+    return config.is_file() and "torchspec_export_version" in json.loads(config.read_text())
+
+
 def load_exported_drafter(path: str | Path, *, target=None, dtype: torch.dtype | str | None = None,
                           attn_backend: str = "chunked") -> nn.Module:
     """Load an export strictly; ``target`` (TargetModel or identity dict) is checked if given.
