@@ -22,6 +22,7 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from torchspec.config import Config, register_configs, validate_against_target, validate_config
@@ -85,15 +86,26 @@ def load_initial_weights(drafter, path: str, target: TargetModel) -> None:
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"train.init_from={path!r}: no config.json there; pass a drafter directory "
                          f"(save_pretrained, torchspec-export or torchspec-convert output).")
-    source = load_exported_drafter(path, target=target) if is_export(path) else type(drafter).from_pretrained(path)
-    mine, theirs = drafter.config.to_dict(), source.config.to_dict()
+    if is_export(path):
+        source = load_exported_drafter(path, target=target)  # strict keys and shapes, target fingerprint
+        config, state = source.config, source.state_dict()
+    else:  # save_pretrained / torchspec-convert output: strict config keys; tensors checked below
+        config = type(drafter.config).from_pretrained(path)
+        state = load_file(str(Path(path) / "model.safetensors"))
+    mine, theirs = drafter.config.to_dict(), config.to_dict()
     differ = sorted(k for k in type(drafter.config).ARCH_FIELDS if mine.get(k) != theirs.get(k))
-    if type(source) is not type(drafter) or differ:
-        raise ValueError(f"train.init_from={path!r} holds a {type(source).__name__} that differs from the configured "
-                         f"{type(drafter).__name__} in {differ}; set the drafter config to match it.")
+    if type(config) is not type(drafter.config) or differ:
+        raise ValueError(f"train.init_from={path!r} holds a {type(config).__name__} drafter that differs from the "
+                         f"configured {type(drafter.config).__name__} in {differ}; set the drafter config to match it.")
+    expected = drafter.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    misshaped = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
+    if missing or unexpected or misshaped:
+        raise ValueError(f"train.init_from={path!r}: missing tensors {missing[:8]}, unexpected {unexpected[:8]}, "
+                         f"mis-shaped {misshaped[:8]}; it was not written for this drafter config.")
     if hasattr(drafter, "set_vocab_mapping"):
-        drafter.set_vocab_mapping(source.d2t, source.t2d, force=True)  # the weights come with their mapping
-    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in source.state_dict().items()})
+        drafter.set_vocab_mapping(state["d2t"], state["t2d"], force=True)  # the weights come with their mapping
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     log.info("initialised all drafter weights from %s (weights only; optimizer and schedule start fresh)", path)
 
 

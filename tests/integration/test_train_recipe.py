@@ -128,4 +128,4 @@ def test_init_from_is_weights_only_and_checks_the_architecture(tmp_path, tiny_ll
     assert [r["train/lr"] for r in read(tmp_path / "b" / "metrics.jsonl") if "train/lr" in r]  # fresh schedule
     wrong = run_recipe(tmp_path / "c", tiny_llama_dir, tiny_chat_jsonl, *base, "train.max_steps=2",
                        "drafter.norm_output=false", f"train.init_from={tmp_path / 'a' / 'drafter'}")
-    assert wrong.returncode == 2 and "differs from the configured Eagle4Drafter in ['norm_output']" in wrong.stderr
+    assert wrong.returncode == 2 and "differs from the configured Eagle4Config in ['norm_output']" in wrong.stderr
