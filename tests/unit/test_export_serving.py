@@ -254,6 +254,13 @@ def test_export_from_checkpoint_equals_the_runs_drafter(tmp_path, tiny_llama_dir
     assert summary["dtype"] == "bfloat16" and summary["step"] == 2
     if preset != "eagle3":
         return
+    # The same checkpoint in the SGLang layout, through the CLI, reloads to identical tensors.
+    from torchspec.export.eagle3_layouts import load_layout
+
+    main([str(run), str(tmp_path / "sglang"), "--dtype", "float32", "--layout", "sglang"])
+    in_sglang = load_layout(tmp_path / "sglang", target_num_layers=loaded.config.target_num_layers)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(in_sglang.state_dict()[name], value), name
     # A missing step and a DeepSpeed checkpoint are refused with a message (exit 2, no traceback).
     with pytest.raises(SystemExit) as exit_info:
         main([str(run), str(tmp_path / "x"), "--step", "7"])
