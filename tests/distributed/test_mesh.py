@@ -1,5 +1,6 @@
 """The (dp, tp) mesh: validation messages, layout on 4 gloo ranks, rank helpers, and the launcher itself."""
 
+import re
 import time
 
 import pytest
@@ -127,7 +128,9 @@ def test_launcher_reports_the_failing_ranks_traceback():
     with pytest.raises(DistributedTestFailure) as e:
         launch(_raise_on_rank1, world_size=2, timeout_s=60)
     msg = str(e.value)
-    assert "first to fail: rank(s) [1]" in msg
+    # rank 0's barrier may fail in the same instant (gloo sees the peer close), so rank 1 must be among
+    # the first to fail, not necessarily alone
+    assert re.search(r"first to fail: rank\(s\) \[(0, )?1\]", msg), msg
     assert "rank 1 raised" in msg and "RuntimeError: boom from rank one" in msg and "_raise_on_rank1" in msg
     assert time.monotonic() - start < 30  # did not wait for the timeout
 
