@@ -115,6 +115,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--lm-head-rank", type=int, default=128)
+    p.add_argument("--attn-backend", default="chunked", choices=("chunked", "flex", "eager"))
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
@@ -126,7 +127,7 @@ def main() -> None:
     mesh = build_mesh(info.world_size, args.tp, device.type)
     tp_group = mesh["tp"].get_group() if args.tp > 1 else None
     target = build_target(args, mesh, device)
-    dcfg = DrafterConfig(lm_head_rank=args.lm_head_rank)
+    dcfg = DrafterConfig(lm_head_rank=args.lm_head_rank, attn_backend=args.attn_backend)
     drafter = build_drafter(dcfg, target.config, target.aux_layer_ids)
     drafter.to(device)
     drafter.init_from_target(target.embed_tokens_weight, target.lm_head_weight, True, svd_device=str(device))
@@ -152,7 +153,8 @@ def main() -> None:
         env = {"gpus": info.world_size, "tp": args.tp, "dp_drafter": info.world_size, "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "shape": vars(args), "largest_micro_batch_that_fits": largest}
         print(f"\n# online capture training, {env['device']} x{info.world_size}, target TP{args.tp}, "
-              f"drafter FSDP2 over {info.world_size}, seq {args.seq}, K={args.ttt_steps}, bf16\n")
+              f"drafter FSDP2 over {info.world_size}, seq {args.seq}, K={args.ttt_steps}, bf16, "
+              f"attention {args.attn_backend}, lm_head_rank {args.lm_head_rank}\n")
         print("| micro-batch/rank | target tok/s/GPU | drafter tok/s/GPU | combined tok/s/GPU | overhead vs sum | peak GiB |")
         print("|---|---|---|---|---|---|")
         for r in rows:
