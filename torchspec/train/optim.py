@@ -1,17 +1,11 @@
-"""Optimizer and learning-rate schedule: AdamW over trainable parameters, linear warmup then
-cosine decay to ``min_lr_ratio * lr``; precision choice (bf16 autocast where the device has it)."""
+"""Learning-rate schedule (linear warmup then cosine decay to ``min_lr_ratio * lr``, used by every
+engine's LambdaLR) and the precision choice (bf16 autocast where the device has it)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-
-
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: list[float]):
-    params = [p for p in model.parameters() if p.requires_grad]
-    assert params, "the drafter has no trainable parameters"
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -21,12 +15,6 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     progress = min(max(progress, 0.0), 1.0)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_scheduler(optimizer, warmup_steps: int, max_steps: int, min_lr_ratio: float):
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, warmup_steps, max_steps, min_lr_ratio)
-    )
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
