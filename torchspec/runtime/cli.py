@@ -1,0 +1,79 @@
+"""Command-line options shared by ``torchspec-generate`` and ``torchspec-bench``.
+
+Engine: ``--target`` (HF dir, .gguf or alias ``smollm2``), ``--drafter`` (a torchspec export),
+``--device``, ``--dtype``, ``--max-batch``, ``--max-context``, ``--page-size``.
+Speculation: ``--no-spec`` (plain decoder), ``--tree`` (default) or ``--chain``, ``--depth``,
+``--topk`` and ``--num-nodes`` (dynamic tree), ``--branching`` (sampled tree at T > 0, children per
+node at each depth), ``--candidates auto|sampled|deterministic``.
+Sampling: ``--temperature`` (0 = greedy), ``--top-p``, ``--top-k``, ``--seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from torchspec.runtime.drafting import SpecConfig
+from torchspec.runtime.sampling import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--target", default="smollm2", help="HF checkpoint dir, .gguf file, or alias (default smollm2)")
+    g.add_argument("--drafter", default=None, help="torchspec drafter export dir (omit with --no-spec)")
+    g.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    g.add_argument("--max-batch", type=int, default=8, help="concurrent sequences (slots)")
+    g.add_argument("--max-context", type=int, default=2048, help="tokens per sequence, prompt included")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--cache-dir", default="~/.cache/torchspec", help="where a .gguf target is converted once")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation")
+    g.add_argument("--no-spec", action="store_true", help="plain decoding (one target forward per token)")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--tree", dest="shape", action="store_const", const="tree", help="draft a tree (default)")
+    shape.add_argument("--chain", dest="shape", action="store_const", const="chain", help="draft a chain")
+    g.set_defaults(shape="tree")
+    g.add_argument("--depth", type=int, default=5, help="draft depth per round")
+    g.add_argument("--topk", type=int, default=8, help="dynamic tree: children per expanded node / frontier width")
+    g.add_argument("--num-nodes", type=int, default=32, help="dynamic tree: drafted nodes verified per round")
+    g.add_argument("--branching", default="4,2,1,1,1,1,1,1",
+                   help="sampled tree (T > 0): children drawn per node at each depth, comma-separated")
+    g.add_argument("--candidates", default="auto", choices=["auto", "sampled", "deterministic"],
+                   help="T > 0: sampled drafts (verified with their draw probabilities) or top-k candidates "
+                        "(point-mass rule); auto = sampled")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+
+
+def sampling_from_args(args) -> SamplingParams:
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    params.validate()
+    return params
+
+
+def spec_from_args(args) -> SpecConfig | None:
+    if args.no_spec:
+        return None
+    try:
+        branching = tuple(int(x) for x in args.branching.split(","))
+    except ValueError:
+        raise ValueError(f"--branching={args.branching!r} must be comma-separated ints, e.g. 4,2,1,1,1") from None
+    branching = branching + (1,) * max(0, args.depth - len(branching))
+    spec = SpecConfig(shape=args.shape, depth=args.depth, topk=args.topk, num_nodes=args.num_nodes,
+                      candidates=args.candidates, branching=branching)
+    spec.validate()
+    return spec
+
+
+def engine_kwargs(args) -> dict:
+    return {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch,
+            "max_context": args.max_context, "page_size": args.page_size, "cache_dir": args.cache_dir}

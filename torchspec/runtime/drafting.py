@@ -1,0 +1,267 @@
+"""Drafting one round: a dynamic tree (EAGLE-2), a chain, or a sampled tree of fixed shape.
+
+All shapes are static per round (every row drafts the same node count), so a round is a fixed
+sequence of drafter forwards that can be CUDA-graph captured.
+
+**Dynamic tree** (greedy, or T > 0 with deterministic candidates): the depth-1 candidates are the
+top-k of the root's draft distribution; each later depth runs the drafter on the current
+frontier (k nodes), takes the top-k children of each, and keeps the k best of the k*k by
+cumulative log-probability as the next frontier. After ``depth`` levels the ``num_nodes`` best
+nodes of everything proposed are kept (stable sort by cumulative score: scores never increase
+along a path and ties keep pool order, so the kept set is ancestor-closed). A **chain** is the
+same with k = 1. Candidates are deterministic (verified with the point-mass rule at T > 0).
+
+**Sampled tree** (T > 0): every node of depth d - 1 draws ``branching[d-1]`` children without
+replacement from its processed draft distribution; the shape is fixed before any draw (choosing
+nodes by their sampled confidences would bias the output -- tests/unit/test_runtime_verify.py
+has that positive control). A sampled chain is branching (1, 1, ..., 1).
+
+Drafter cache layout within a round: draft nodes of depth d are written after the committed
+prefix in processing order (slot ctx + sum of earlier frontier sizes + i), each attends its
+draft ancestors and itself, and the committed prefix through the drafter's window anchored at
+n = ctx - 1 (``torchspec/runtime/drafter_runner.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchspec.runtime.drafter_runner import DrafterRunner
+from torchspec.runtime.paged_kv import PagedKVCache, build_attention_meta
+from torchspec.runtime.sampling import SamplingParams, process_logits, sample_without_replacement
+from torchspec.runtime.tree import DraftTree
+
+SHAPES = ("tree", "chain")
+CANDIDATES = ("auto", "sampled", "deterministic")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How a round drafts. ``shape='chain'`` drafts ``depth`` tokens; ``'tree'`` a dynamic tree of
+    ``num_nodes`` nodes (greedy / deterministic) or a sampled tree of ``branching`` (T > 0)."""
+
+    shape: str = "tree"
+    depth: int = 5
+    topk: int = 8
+    num_nodes: int = 32
+    candidates: str = "auto"  # auto: greedy -> deterministic, T > 0 -> sampled
+    branching: tuple[int, ...] = (4, 2, 1, 1, 1, 1, 1, 1)
+
+    def validate(self) -> None:
+        if self.shape not in SHAPES:
+            raise ValueError(f"spec shape={self.shape!r} must be one of {SHAPES}.")
+        if self.candidates not in CANDIDATES:
+            raise ValueError(f"spec candidates={self.candidates!r} must be one of {CANDIDATES}.")
+        if not 1 <= self.depth <= 32:
+            raise ValueError(f"spec depth={self.depth} must lie in [1, 32].")
+        if self.shape == "tree":
+            if self.topk < 1:
+                raise ValueError(f"spec topk={self.topk} must be >= 1.")
+            most = self.topk + (self.depth - 1) * self.topk * self.topk
+            if not 1 <= self.num_nodes <= most:
+                raise ValueError(f"spec num_nodes={self.num_nodes} must lie in [1, {most}] "
+                                 f"(topk + (depth - 1) * topk^2 nodes are proposed).")
+            if len(self.branching) < self.depth or any(b < 1 for b in self.branching):
+                raise ValueError(f"spec branching={self.branching} needs {self.depth} entries >= 1 (one per depth).")
+
+    def sampled(self, params: SamplingParams) -> bool:
+        return not params.greedy and self.candidates != "deterministic"
+
+    def widths(self, params: SamplingParams) -> tuple[int, ...]:
+        """Children per expanded node at each depth (sampled) -- the static shape of the round."""
+        if self.shape == "chain":
+            return (1,) * self.depth
+        return tuple(self.branching[: self.depth])
+
+    def num_drafted(self, params: SamplingParams) -> int:
+        """Drafted nodes per round (the verify forward sees 1 + this many tokens)."""
+        if self.sampled(params):
+            total, level = 0, 1
+            for w in self.widths(params):
+                level *= w
+                total += level
+            return total
+        return self.depth if self.shape == "chain" else self.num_nodes
+
+    def draft_slots(self, params: SamplingParams) -> int:
+        """Drafter cache slots a round writes beyond the committed prefix."""
+        if self.sampled(params):
+            total, level = 0, 1
+            for w in self.widths(params)[:-1]:
+                level *= w
+                total += level
+            return total
+        k = 1 if self.shape == "chain" else self.topk
+        return (self.depth - 1) * k
+
+
+@dataclass
+class DraftInputs:
+    """Per-row state a round starts from (rows = the active batch)."""
+
+    root: torch.Tensor  # [B] last committed token (the target's previous bonus)
+    normed: torch.Tensor  # [B, H] drafter output at the last committed position (predicts depth 1)
+    feedback: torch.Tensor  # [B, H] its feedback hidden
+    ctx_len: torch.Tensor  # [B] committed drafter positions (= the target's KV length)
+    block_table: torch.Tensor  # [B, P]
+    row_valid: torch.Tensor  # [B] bool
+
+
+def _scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities that rank candidates: raw for greedy, processed (T, top-p/k) otherwise."""
+    if params.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    return torch.log(process_logits(logits, params))
+
+
+class _DraftWriter:
+    """Runs the drafter on successive frontiers, tracking each frontier node's draft ancestors."""
+
+    def __init__(self, runner: DrafterRunner, cache: PagedKVCache, inputs: DraftInputs, total_slots: int):
+        self.runner, self.cache, self.inp = runner, cache, inputs
+        b = inputs.root.shape[0]
+        self.anc = torch.zeros(b, 0, total_slots, dtype=torch.bool, device=inputs.root.device)
+        self.written = 0
+        self.total = total_slots
+
+    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, parent_rows: torch.Tensor | None,
+            depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft nodes tokens [B, F] at ``depth`` (hidden [B, F, H]; parent_rows [B, F] index the
+        previous frontier, None at depth 1) -> (normed, feedback) [B, F, H]."""
+        inp = self.inp
+        b, f = tokens.shape
+        dev = tokens.device
+        own = torch.zeros(b, f, self.total, dtype=torch.bool, device=dev)
+        own[:, torch.arange(f, device=dev), self.written + torch.arange(f, device=dev)] = True
+        if parent_rows is not None:
+            own |= torch.gather(self.anc, 1, parent_rows[:, :, None].expand(b, f, self.total))
+        self.anc = own
+        width = self.written + f
+        n = inp.ctx_len - 1
+        meta = build_attention_meta(inp.block_table, inp.ctx_len, own[:, :, :width], self.cache.page_size,
+                                    anchor=n[:, None].expand(b, f), window=self.runner.window,
+                                    row_valid=inp.row_valid)
+        positions = (n + depth)[:, None].expand(b, f)
+        out = self.runner.forward(tokens, hidden, positions, self.cache, meta)
+        self.written = width
+        return out
+
+
+def draft_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
+                       params: SamplingParams) -> DraftTree:
+    """Greedy / deterministic-candidate tree (a chain when spec.shape == 'chain')."""
+    k = 1 if spec.shape == "chain" else spec.topk
+    depth = spec.depth
+    m = spec.num_drafted(params)
+    b = inp.root.shape[0]
+    dev = inp.root.device
+    writer = _DraftWriter(runner, cache, inp, max(1, (depth - 1) * k))
+    lp = _scores(runner.logits(inp.normed), params)  # [B, V]
+    sc, tok = lp.topk(k, dim=-1)  # [B, k], sorted
+    pool_tok, pool_sc = [tok], [sc]
+    pool_parent = [torch.full((b, k), -1, dtype=torch.long, device=dev)]
+    pool_depth = [torch.ones(b, k, dtype=torch.long, device=dev)]
+    front_idx = torch.arange(k, device=dev).expand(b, k)  # pool index of each frontier node
+    front_tok, front_sc = tok, sc
+    front_hidden = inp.feedback[:, None].expand(b, k, -1)
+    parent_rows = None
+    base = k
+    for d in range(1, depth):
+        normed, feedback = writer.run(front_tok, front_hidden, parent_rows, d)
+        lp = _scores(runner.logits(normed), params)  # [B, k, V]
+        csc, ctok = lp.topk(k, dim=-1)  # [B, k, k]
+        cum = (front_sc[:, :, None] + csc).reshape(b, k * k)
+        pool_tok.append(ctok.reshape(b, k * k))
+        pool_sc.append(cum)
+        pool_parent.append(front_idx[:, :, None].expand(b, k, k).reshape(b, k * k))
+        pool_depth.append(torch.full((b, k * k), d + 1, dtype=torch.long, device=dev))
+        if d < depth - 1:
+            pick = torch.sort(cum, dim=-1, descending=True, stable=True).indices[:, :k]  # [B, k]
+            parent_rows = pick // k
+            front_idx = base + pick
+            front_tok = torch.gather(ctok.reshape(b, k * k), 1, pick)
+            front_sc = torch.gather(cum, 1, pick)
+            front_hidden = torch.gather(feedback, 1, parent_rows[:, :, None].expand(-1, -1, feedback.shape[-1]))
+        base += k * k
+    tokens, scores = torch.cat(pool_tok, 1), torch.cat(pool_sc, 1)
+    parents, depths = torch.cat(pool_parent, 1), torch.cat(pool_depth, 1)
+    keep = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :m]
+    keep = torch.sort(keep, dim=-1).values  # pool order is topological
+    node_of = torch.zeros_like(tokens)  # pool index -> node index (0 = root / not kept)
+    node_of.scatter_(1, keep, torch.arange(1, m + 1, device=dev).expand(b, m))
+    kept_parent = torch.gather(parents, 1, keep)
+    node_parent = torch.where(kept_parent < 0, torch.zeros_like(kept_parent),
+                              torch.gather(node_of, 1, kept_parent.clamp(min=0)))
+    all_parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), node_parent], 1)
+    earlier = torch.tril(torch.ones(m + 1, m + 1, dtype=torch.bool, device=dev), diagonal=-1)
+    same = all_parents[:, :, None] == all_parents[:, None, :]
+    rank = (same & earlier).sum(-1)
+    return DraftTree(
+        tokens=torch.cat([inp.root[:, None], torch.gather(tokens, 1, keep)], 1),
+        parents=all_parents,
+        depths=torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), torch.gather(depths, 1, keep)], 1),
+        valid=torch.ones(b, m + 1, dtype=torch.bool, device=dev),
+        sampled=torch.zeros(b, m + 1, dtype=torch.bool, device=dev),
+        sibling_rank=rank,
+        dist_index=torch.full((b, m + 1), -1, dtype=torch.long, device=dev),
+    )
+
+
+def draft_sampled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
+                       params: SamplingParams, generator: torch.Generator) -> DraftTree:
+    """T > 0: every node of depth d - 1 draws widths[d-1] children without replacement."""
+    widths = spec.widths(params)
+    b = inp.root.shape[0]
+    dev = inp.root.device
+    writer = _DraftWriter(runner, cache, inp, max(1, spec.draft_slots(params)))
+    q = process_logits(runner.logits(inp.normed), params)[:, None]  # [B, 1, V] root's distribution
+    dists = [q]
+    tokens = [inp.root[:, None]]
+    parents = [torch.full((b, 1), -1, dtype=torch.long, device=dev)]
+    depths = [torch.zeros(b, 1, dtype=torch.long, device=dev)]
+    ranks = [torch.zeros(b, 1, dtype=torch.long, device=dev)]
+    valid = [torch.ones(b, 1, dtype=torch.bool, device=dev)]
+    dist_index = [torch.zeros(b, 1, dtype=torch.long, device=dev)]
+    front_nodes = torch.zeros(b, 1, dtype=torch.long, device=dev)  # node index of the expanded nodes
+    front_valid = valid[0]
+    front_hidden = inp.feedback[:, None]
+    n_nodes, n_dists = 1, 1
+    for d, w in enumerate(widths, start=1):
+        f = front_nodes.shape[1]
+        ids, ok = sample_without_replacement(q, w, generator)  # [B, f, w], draw order
+        child_valid = (ok & front_valid[:, :, None]).reshape(b, f * w)
+        child_tok = ids.reshape(b, f * w)
+        tokens.append(child_tok)
+        parents.append(front_nodes[:, :, None].expand(b, f, w).reshape(b, f * w))
+        depths.append(torch.full((b, f * w), d, dtype=torch.long, device=dev))
+        ranks.append(torch.arange(w, device=dev).repeat(f).expand(b, f * w))
+        valid.append(child_valid)
+        child_nodes = n_nodes + torch.arange(f * w, device=dev).expand(b, f * w)
+        n_nodes += f * w
+        if d == len(widths):
+            dist_index.append(torch.full((b, f * w), -1, dtype=torch.long, device=dev))
+            break
+        dist_index.append(n_dists + torch.arange(f * w, device=dev).expand(b, f * w))
+        n_dists += f * w
+        parent_rows = None if d == 1 else torch.arange(f, device=dev).repeat_interleave(w).expand(b, f * w)
+        hidden = front_hidden.repeat_interleave(w, dim=1)
+        normed, feedback = writer.run(child_tok, hidden, parent_rows, d)
+        q = process_logits(runner.logits(normed), params)  # [B, f*w, V]
+        dists.append(q)
+        front_nodes, front_valid, front_hidden = child_nodes, child_valid, feedback
+    return DraftTree(
+        tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1), depths=torch.cat(depths, 1),
+        valid=torch.cat(valid, 1), sampled=torch.cat(depths, 1) > 0, sibling_rank=torch.cat(ranks, 1),
+        dist_index=torch.cat(dist_index, 1), dists=torch.cat(dists, 1))
+
+
+def draft_round(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
+                params: SamplingParams, generator: torch.Generator) -> DraftTree:
+    if spec.sampled(params):
+        return draft_sampled_tree(runner, cache, inp, spec, params, generator)
+    return draft_dynamic_tree(runner, cache, inp, spec, params)
+
+
+__all__ = ["SpecConfig", "DraftInputs", "draft_round", "draft_dynamic_tree", "draft_sampled_tree"]

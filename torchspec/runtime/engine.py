@@ -1,0 +1,249 @@
+"""``Engine``: a target decoder, an optional exported drafter, a paged KV cache, and ``generate``.
+
+Scheduling is continuous batching over ``max_batch`` slots: a waiting prompt is prefilled into a
+free slot, all occupied slots then advance together (one speculation round, or one plain decode
+step), and a slot is freed -- its pages returned -- as soon as its sequence finishes. The host
+reads back only what a step committed (a few ints per row) once per round; all per-round tensors
+are static in shape.
+
+Stop rules (identical with and without speculation, so greedy outputs are comparable token for
+token): a sequence ends after an EOS / stop token (kept in ``token_ids``), after
+``max_new_tokens`` tokens, or when its next round would not fit ``max_context`` (reason "length").
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from torchspec.runtime.decoder import TargetDecoder
+from torchspec.runtime.drafter_runner import DrafterRunner
+from torchspec.runtime.drafting import DraftInputs, SpecConfig
+from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator
+from torchspec.runtime.sampling import SamplingParams
+from torchspec.runtime.steps import Caches, plain_step, prefill, speculate
+
+
+@dataclass
+class GenerationResult:
+    prompt_len: int
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per decode round
+    text: str | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # wall time of the rounds this sequence took part in
+
+    @property
+    def mean_acceptance(self) -> float:
+        return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
+
+    def to_dict(self) -> dict:
+        return {"prompt_len": self.prompt_len, "token_ids": self.token_ids, "text": self.text,
+                "finish_reason": self.finish_reason, "accept_lengths": self.accept_lengths,
+                "mean_acceptance": self.mean_acceptance, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
+
+
+@dataclass
+class _Slot:
+    index: int  # request index
+    result: GenerationResult
+    pages: list[int]
+    ctx: int  # tokens in the KV cache
+
+
+class Engine:
+    def __init__(self, decoder: TargetDecoder, runner: DrafterRunner | None = None, tokenizer=None, *,
+                 max_batch: int = 8, max_context: int = 2048, page_size: int = 16, num_pages: int | None = None):
+        if max_batch < 1 or max_context < 2 or page_size < 1:
+            raise ValueError(f"Engine: max_batch={max_batch} >= 1, max_context={max_context} >= 2 and "
+                             f"page_size={page_size} >= 1 are required.")
+        self.decoder, self.runner, self.tokenizer = decoder, runner, tokenizer
+        self.max_batch, self.max_context, self.page_size = max_batch, max_context, page_size
+        self.pages_per_row = math.ceil(max_context / page_size)
+        num_pages = num_pages or max_batch * self.pages_per_row + 1
+        self.allocator = PageAllocator(num_pages)
+        dev = decoder.embed_tokens_weight.device
+        self.device = dev
+        drafter_cache = runner.make_kv_cache(num_pages, page_size) if runner is not None else None
+        self.caches = Caches(decoder.make_kv_cache(num_pages, page_size), drafter_cache, page_size)
+        self.block_table = torch.full((max_batch, self.pages_per_row), TRASH_PAGE, dtype=torch.long, device=dev)
+        self.root = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        if runner is not None:
+            self.normed = torch.zeros(max_batch, runner.hidden_size, dtype=runner.dtype, device=dev)
+            self.feedback = torch.zeros_like(self.normed)
+        eos = decoder.eos_token_ids
+        self.eos_token_ids = set(eos)
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+
+    def _ensure_pages(self, slot_id: int, slot: _Slot, length: int) -> None:
+        need = math.ceil(length / self.page_size) - len(slot.pages)
+        if need > 0:
+            new = self.allocator.alloc(need)
+            start = len(slot.pages)
+            slot.pages.extend(new)
+            self.block_table[slot_id, start:start + need] = torch.tensor(new, dtype=torch.long)
+
+    def _release(self, slot_id: int, slot: _Slot) -> None:
+        self.allocator.free(slot.pages)
+        slot.pages = []
+        self.block_table[slot_id] = TRASH_PAGE
+
+    def _commit(self, slot: _Slot, tokens: list[int], max_new: int, stop: set[int]) -> None:
+        res = slot.result
+        for tok in tokens:
+            res.token_ids.append(tok)
+            if tok in stop:
+                res.finish_reason = "stop"
+                return
+            if len(res.token_ids) >= max_new:
+                res.finish_reason = "length"
+                return
+
+    # --- API -------------------------------------------------------------------------------------
+
+    def check_request(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
+                      spec: SpecConfig | None) -> None:
+        sampling.validate()
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0.")
+        if spec is not None:
+            if self.runner is None:
+                raise ValueError("speculation needs a drafter: build the Engine with one, or pass spec=None.")
+            spec.validate()
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: give at least one token (e.g. the chat template's prefix).")
+            if len(p) >= self.max_context:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; the engine's max_context is {self.max_context} "
+                                 f"(prompt + generated tokens must fit). Shorten it or raise max_context.")
+            bad = [t for t in p if not 0 <= t < self.decoder.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} holds token ids outside [0, {self.decoder.vocab_size}): {bad[:5]}.")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]] | list[str], *, max_new_tokens: int = 128,
+                 sampling: SamplingParams | None = None, spec: SpecConfig | None = None, seed: int = 0,
+                 stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
+                 concurrency: int | None = None) -> list[GenerationResult]:
+        """Generate for every prompt (token id lists, or strings if the engine has a tokenizer).
+
+        ``spec=None`` decodes plainly (one target forward per token); otherwise each round drafts
+        and verifies per ``spec``. At most ``concurrency`` (default ``max_batch``) sequences run
+        at once. Results come back in prompt order.
+        """
+        concurrency = concurrency or self.max_batch
+        if not 1 <= concurrency <= self.max_batch:
+            raise ValueError(f"concurrency={concurrency} must lie in [1, max_batch={self.max_batch}].")
+        sampling = sampling or SamplingParams()
+        if prompts and isinstance(prompts[0], str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need an Engine built with a tokenizer; pass token ids instead.")
+            prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        self.check_request(prompts, max_new_tokens, sampling, spec)
+        stop = set() if ignore_eos else set(self.eos_token_ids)
+        stop |= set(stop_token_ids or ())
+        results = [GenerationResult(prompt_len=len(p)) for p in prompts]
+        if max_new_tokens == 0:
+            for r in results:
+                r.finish_reason = "length"
+            return self._finish(results)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        runner = self.runner if spec is not None else None
+        per_round = 1  # KV positions a round may write beyond a row's committed prefix
+        if spec is not None:
+            per_round = max(1 + spec.num_drafted(sampling), spec.draft_slots(sampling), spec.depth + 1)
+        waiting = list(range(len(prompts)))
+        slots: list[_Slot | None] = [None] * concurrency
+        try:
+            while waiting or any(s is not None for s in slots):
+                for slot_id in range(concurrency):  # fill free slots
+                    if slots[slot_id] is None and waiting:
+                        slots[slot_id] = self._admit(slot_id, waiting.pop(0), prompts, results, runner, sampling,
+                                                     generator, max_new_tokens, stop)
+                        self._retire_if_done(slot_id, slots, per_round)
+                active = [i for i, s in enumerate(slots) if s is not None]
+                if not active:
+                    continue
+                for i in active:
+                    self._ensure_pages(i, slots[i], slots[i].ctx + per_round)
+                self._round(active, slots, runner, spec, sampling, generator, max_new_tokens, stop)
+                for i in active:
+                    self._retire_if_done(i, slots, per_round)
+        finally:
+            for i, s in enumerate(slots):
+                if s is not None:
+                    self._release(i, s)
+        return self._finish(results)
+
+    def _admit(self, slot_id, index, prompts, results, runner, sampling, generator, max_new, stop) -> _Slot:
+        prompt = prompts[index]
+        slot = _Slot(index=index, result=results[index], pages=[], ctx=0)
+        self._ensure_pages(slot_id, slot, len(prompt))
+        t0 = time.perf_counter()
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        out = prefill(self.decoder, runner, self.caches, self.block_table[slot_id:slot_id + 1], ids, sampling,
+                      generator)
+        self._store(torch.tensor([slot_id], device=self.device), out)
+        first = out.root.tolist()
+        slot.result.prefill_s = time.perf_counter() - t0
+        slot.ctx = len(prompt)
+        self._commit(slot, first, max_new, stop)
+        return slot
+
+    def _store(self, rows: torch.Tensor, out) -> None:
+        self.root[rows] = out.root
+        if out.normed is not None:
+            self.normed[rows] = out.normed.to(self.normed.dtype)
+            self.feedback[rows] = out.feedback.to(self.feedback.dtype)
+
+    def _round(self, active, slots, runner, spec, sampling, generator, max_new, stop) -> None:
+        rows = torch.tensor(active, dtype=torch.long, device=self.device)
+        ctx = torch.tensor([slots[i].ctx for i in active], dtype=torch.long, device=self.device)
+        valid = torch.ones(len(active), dtype=torch.bool, device=self.device)
+        bt = self.block_table[rows]
+        t0 = time.perf_counter()
+        if runner is None:
+            out = plain_step(self.decoder, self.caches, bt, ctx, self.root[rows], valid, sampling, generator)
+        else:
+            inp = DraftInputs(root=self.root[rows], normed=self.normed[rows], feedback=self.feedback[rows],
+                              ctx_len=ctx, block_table=bt, row_valid=valid)
+            out = speculate(self.decoder, runner, self.caches, inp, spec, sampling, generator)
+        self._store(rows, out)
+        tokens, counts = out.tokens.tolist(), out.count.tolist()  # the round's one host sync
+        dt = time.perf_counter() - t0
+        for j, i in enumerate(active):
+            slot = slots[i]
+            slot.ctx += counts[j]
+            slot.result.accept_lengths.append(counts[j])
+            slot.result.decode_s += dt
+            self._commit(slot, tokens[j][: counts[j]], max_new, stop)
+
+    def _retire_if_done(self, slot_id: int, slots: list, per_round: int) -> None:
+        slot = slots[slot_id]
+        if slot is None:
+            return
+        if not slot.result.finish_reason and slot.ctx + per_round > self.max_context:
+            slot.result.finish_reason = "length"
+        if slot.result.finish_reason:
+            self._release(slot_id, slot)
+            slots[slot_id] = None
+
+    def _finish(self, results: list[GenerationResult]) -> list[GenerationResult]:
+        if self.tokenizer is not None:
+            for r in results:
+                r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        return results
+
+    @property
+    def free_pages(self) -> int:
+        return self.allocator.free_pages
+
+    @property
+    def total_pages(self) -> int:
+        return self.allocator.capacity

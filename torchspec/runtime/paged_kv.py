@@ -1,0 +1,163 @@
+"""Paged KV cache: a pool of fixed-size pages shared by all sequences, a block table per sequence.
+
+Layout. Keys and values of every layer live in one flat slot pool per layer,
+``k[layer] : [num_pages * page_size, kv_heads, head_dim]``; slot ``page * page_size + offset``.
+A sequence's logical position ``j`` is stored at slot ``block_table[j // page_size] * page_size
++ j % page_size``. Page 0 is the **trash page**: never handed to a sequence, it receives the
+writes of padding rows/tokens so every forward has a static shape (what CUDA graphs need).
+
+Attention over the cache (``paged_attention``) gathers a row's pages into a contiguous
+``[S = pages_per_row * page_size]`` key range and applies a boolean mask built once per forward by
+``build_attention_meta``. One mask rule serves prefill, plain decode, tree verification and the
+drafter's windowed attention:
+
+    key j of row b is visible to query i  iff
+        j <  ctx_len[b]  and  anchor[b, i] - window < j <= anchor[b, i]      (committed prefix)
+     or ctx_len[b] <= j < ctx_len[b] + R + Tq  and  tree_mask[b, i, j - ctx_len[b]]   (uncommitted tokens)
+
+where this forward's Tq tokens are written at logical positions ctx_len + R .. ctx_len + R + Tq - 1
+after R uncommitted tokens of earlier forwards of the same round (the drafter writes a tree one
+depth per forward; R = 0 everywhere else, so tree_mask is [B, Tq, Tq]), and
+``anchor`` is the last committed position a query may see (ctx_len - 1 for the target; the
+drafter's step-0 queries anchor at their own position so its sliding window applies).
+
+Host bookkeeping (``PageAllocator``) hands out and takes back pages; ``free_pages`` after a batch
+equals the pool size minus the trash page (a test checks no page leaks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+TRASH_PAGE = 0
+
+
+class PageAllocator:
+    """Host-side free list over pages 1..num_pages-1 (page 0 is the trash page)."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages}: the pool needs the trash page plus at least one page.")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(
+                f"KV cache out of pages: {n} needed, {len(self._free)} free of {self.capacity}; raise "
+                f"num_pages (or lower max_batch / max_context).")
+        out = [self._free.pop() for _ in range(n)]
+        return out
+
+    def free(self, pages: list[int]) -> None:
+        if any(p == TRASH_PAGE for p in pages):
+            raise ValueError("the trash page cannot be freed")
+        self._free.extend(pages)
+
+
+class PagedKVCache:
+    """Per-layer flat slot pools ``k[l], v[l] : [num_pages * page_size, kv_heads, head_dim]``."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy K/V of every layer from flat slots ``src`` to ``dst`` (same shape; gather first, so
+        overlapping src/dst sets are safe). Used for accepted-path compaction."""
+        src, dst = src.reshape(-1), dst.reshape(-1)
+        for pool in (self.k, self.v):
+            pool[:, dst] = pool[:, src]
+
+
+@dataclass
+class AttentionMeta:
+    """Static-shape description of one forward over the paged cache (shared by all layers)."""
+
+    write_slots: torch.Tensor  # [B, Tq] flat slot each new token's K/V is written to
+    key_slots: torch.Tensor  # [B, S] flat slot of every logical key position 0..S-1 of the row
+    mask: torch.Tensor  # [B, 1, Tq, S] bool, True = attend
+
+
+def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Logical positions [B, T] -> flat slots [B, T] through the rows' block tables [B, P]."""
+    page = torch.gather(block_table, 1, (positions // page_size).clamp(max=block_table.shape[1] - 1))
+    return page * page_size + positions % page_size
+
+
+def build_attention_meta(
+    block_table: torch.Tensor,
+    ctx_len: torch.Tensor,
+    tree_mask: torch.Tensor,
+    page_size: int,
+    anchor: torch.Tensor | None = None,
+    window: int | None = None,
+    row_valid: torch.Tensor | None = None,
+) -> AttentionMeta:
+    """Metadata for a forward of Tq new tokens per row written after ``ctx_len`` committed ones.
+
+    block_table [B, P] (unused entries = trash page), ctx_len [B], tree_mask [B, Tq, Tq] bool
+    (which of this forward's tokens each query sees: causal for prefill, ancestors-or-self for a
+    tree; [B, Tq, R + Tq] when R uncommitted tokens of this round precede them), anchor [B, Tq] (default ctx_len - 1), window (None = unbounded), row_valid [B] (False
+    rows write to the trash page).
+    """
+    b, p = block_table.shape
+    tq, width = tree_mask.shape[-2], tree_mask.shape[-1]  # width = R + Tq
+    dev = block_table.device
+    s = p * page_size
+    offsets = torch.arange(width - tq, width, device=dev)
+    new_pos = ctx_len[:, None] + offsets  # [B, Tq]
+    write_slots = slots_for_positions(block_table, new_pos, page_size)
+    if row_valid is not None:
+        write_slots = torch.where(row_valid[:, None], write_slots, torch.full_like(write_slots, TRASH_PAGE * page_size))
+    key_slots = (block_table[:, :, None] * page_size + torch.arange(page_size, device=dev)).reshape(b, s)
+    j = torch.arange(s, device=dev)[None, None, :]  # [1, 1, S]
+    ctx = ctx_len[:, None, None]
+    if anchor is None:
+        anchor = (ctx_len - 1)[:, None].expand(b, tq)
+    a = anchor[:, :, None]
+    committed = (j < ctx) & (j <= a)
+    if window is not None:
+        committed &= j > a - window
+    rel = j - ctx  # [B, 1, S]
+    in_new = (rel >= 0) & (rel < width)
+    tree_ok = torch.gather(tree_mask, 2, rel.clamp(0, width - 1).expand(b, tq, s))
+    mask = committed | (in_new & tree_ok)
+    return AttentionMeta(write_slots=write_slots, key_slots=key_slots, mask=mask[:, None])
+
+
+def paged_attention(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+    meta: AttentionMeta, scale: float,
+) -> torch.Tensor:
+    """Write this forward's K/V into the pool, then attend over the row's gathered pages.
+
+    q [B, heads, Tq, D]; k_new/v_new [B, kv_heads, Tq, D]; k_pool/v_pool [slots, kv_heads, D] (one
+    layer). Returns [B, heads, Tq, D].
+    """
+    b, kvh, tq, d = k_new.shape
+    flat = meta.write_slots.reshape(-1)
+    k_pool.index_copy_(0, flat, k_new.transpose(1, 2).reshape(-1, kvh, d).to(k_pool.dtype))
+    v_pool.index_copy_(0, flat, v_new.transpose(1, 2).reshape(-1, kvh, d).to(v_pool.dtype))
+    keys = k_pool[meta.key_slots].transpose(1, 2).to(q.dtype)  # [B, kv_heads, S, D]
+    values = v_pool[meta.key_slots].transpose(1, 2).to(q.dtype)
+    groups = q.shape[1] // kvh
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, scale=scale)

@@ -1,0 +1,143 @@
+"""The batched steps of the engine: prefill, plain decode, drafter catch-up and a speculation round.
+
+Every function works on the active rows of a batch, with static shapes, and never syncs with the
+host; the engine (``torchspec/runtime/engine.py``) does the per-sequence bookkeeping once per
+round. Conventions (per row): ``ctx`` = tokens in the target's KV cache = committed drafter
+positions; ``root`` = the last committed token, not yet in the cache.
+
+A round (``speculate``):
+    1. draft a tree rooted at ``root`` (``torchspec/runtime/drafting.py``);
+    2. verify it in ONE target forward: node i is written at logical position ctx + i, RoPE
+       position ctx + depth(i), attending the committed prefix and its own ancestors;
+    3. accept a path (greedy or tree rejection sampling, ``torchspec/runtime/verify.py``) and
+       compact it to the front: the K/V of path node i moves to position ctx + i, so rejected
+       nodes leave no trace (positions >= the new ctx are never attended again);
+    4. catch the drafter up: step-0 entries for the a + 1 new committed positions, fed the target
+       states the verify forward captured on the accepted path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchspec.runtime.decoder import TargetDecoder
+from torchspec.runtime.drafter_runner import DrafterRunner
+from torchspec.runtime.drafting import DraftInputs, SpecConfig, draft_round
+from torchspec.runtime.paged_kv import PagedKVCache, build_attention_meta, slots_for_positions
+from torchspec.runtime.sampling import SamplingParams, process_logits, sample
+from torchspec.runtime.verify import verify_greedy, verify_sampling
+
+
+@dataclass
+class Caches:
+    target: PagedKVCache
+    drafter: PagedKVCache | None
+    page_size: int
+
+
+@dataclass
+class StepOut:
+    """What a step commits per row: ``tokens[b, :count[b]]`` (host-synced by the engine)."""
+
+    tokens: torch.Tensor  # [B, W]
+    count: torch.Tensor  # [B]
+    root: torch.Tensor  # [B] new last committed token
+    normed: torch.Tensor | None = None  # [B, H] drafter state at the new last position
+    feedback: torch.Tensor | None = None
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """[..., V] fp32 target logits -> token [...] (argmax, or a draw from the processed distribution)."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(process_logits(logits, params), generator)
+
+
+def causal_mask(b: int, t: int, device, window: int | None = None) -> torch.Tensor:
+    i = torch.arange(t, device=device)
+    mask = i[:, None] >= i[None, :]
+    if window is not None:
+        mask &= i[:, None] - i[None, :] < window
+    return mask.expand(b, t, t)
+
+
+def catch_up_drafter(runner: DrafterRunner, caches: Caches, block_table: torch.Tensor, ctx: torch.Tensor,
+                     tokens: torch.Tensor, aux: list[torch.Tensor], last: torch.Tensor, row_valid: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step-0 entries for positions ctx .. ctx + T - 1 (tokens [B, T] = x_{t+1}, aux 3 x [B, T, H] =
+    target states at t); returns (normed, feedback) [B, H] at position ctx + last[b]."""
+    b, t = tokens.shape
+    dev = tokens.device
+    positions = ctx[:, None] + torch.arange(t, device=dev)
+    meta = build_attention_meta(block_table, ctx, causal_mask(b, t, dev, runner.window), caches.page_size,
+                                anchor=positions, window=runner.window, row_valid=row_valid)
+    normed, feedback = runner.forward(tokens, runner.fuse(aux), positions, caches.drafter, meta)
+    pick = last[:, None, None].expand(b, 1, normed.shape[-1])
+    return torch.gather(normed, 1, pick)[:, 0], torch.gather(feedback, 1, pick)[:, 0]
+
+
+def prefill(decoder: TargetDecoder, runner: DrafterRunner | None, caches: Caches, block_table: torch.Tensor,
+            prompt: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> StepOut:
+    """One prompt [1, P] into an empty row: fills the target (and drafter) cache, samples x_P."""
+    _, p = prompt.shape
+    dev = prompt.device
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    valid = torch.ones(1, dtype=torch.bool, device=dev)
+    meta = build_attention_meta(block_table, zero, causal_mask(1, p, dev), caches.page_size, row_valid=valid)
+    aux_ids = tuple(runner.config.aux_layer_ids) if runner is not None else ()
+    out = decoder(prompt, torch.arange(p, device=dev)[None], caches.target, meta, capture_layers=aux_ids)
+    first = next_token(decoder.logits(out.hidden[:, -1]), params, generator)  # [1]
+    step = StepOut(tokens=first[:, None], count=torch.ones(1, dtype=torch.long, device=dev), root=first)
+    if runner is not None:
+        shifted = torch.cat([prompt[:, 1:], first[:, None]], 1)  # x_{t+1}
+        step.normed, step.feedback = catch_up_drafter(runner, caches, block_table, zero, shifted, out.aux,
+                                                      torch.full((1,), p - 1, device=dev), valid)
+    return step
+
+
+def plain_step(decoder: TargetDecoder, caches: Caches, block_table: torch.Tensor, ctx: torch.Tensor,
+               root: torch.Tensor, row_valid: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator) -> StepOut:
+    """Plain decoding: one target forward per token."""
+    b = root.shape[0]
+    dev = root.device
+    meta = build_attention_meta(block_table, ctx, torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
+                                caches.page_size, row_valid=row_valid)
+    out = decoder(root[:, None], ctx[:, None], caches.target, meta)
+    tok = next_token(decoder.logits(out.hidden[:, 0]), params, generator)
+    return StepOut(tokens=tok[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=tok)
+
+
+def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp: DraftInputs,
+              spec: SpecConfig, params: SamplingParams, generator: torch.Generator) -> StepOut:
+    """One draft-verify-accept-compact-catch-up round over the active rows (see module docstring)."""
+    tree = draft_round(runner, caches.drafter, inp, spec, params, generator)
+    b, n = tree.tokens.shape
+    dev = tree.tokens.device
+    ctx, bt = inp.ctx_len, inp.block_table
+    meta = build_attention_meta(bt, ctx, tree.attention_mask(), caches.page_size, row_valid=inp.row_valid)
+    out = decoder(tree.tokens, ctx[:, None] + tree.depths, caches.target, meta,
+                  capture_layers=tuple(runner.config.aux_layer_ids))
+    logits = decoder.logits(out.hidden)  # [B, N, V] fp32
+    if params.greedy:
+        res = verify_greedy(tree, logits)
+    else:
+        res = verify_sampling(tree, process_logits(logits, params), generator)
+    a = res.num_accepted  # [B]
+    width = res.path.shape[1]  # D + 1
+    steps = torch.arange(width, device=dev)
+    on_path = steps[None] <= a[:, None]  # [B, D+1]
+    path = torch.where(on_path, res.path, steps[None].expand(b, width))  # off-path: identity (no-op move)
+    src = slots_for_positions(bt, ctx[:, None] + path, caches.page_size)
+    dst = slots_for_positions(bt, ctx[:, None] + steps[None], caches.page_size)
+    keep = on_path & inp.row_valid[:, None]
+    caches.target.move_slots(torch.where(keep, src, dst), dst)
+    # committed tokens of this round: accepted drafted tokens, then the bonus
+    drafted = torch.gather(tree.tokens, 1, path[:, 1:].clamp(max=n - 1)) if width > 1 else tree.tokens[:, :0]
+    emitted = torch.cat([drafted, res.next_token[:, None]], 1)  # [B, D+1]
+    emitted = torch.where(steps[None] < a[:, None], emitted, res.next_token[:, None])
+    aux = [torch.gather(h, 1, path[:, :, None].expand(b, width, h.shape[-1])) for h in out.aux]
+    normed, feedback = catch_up_drafter(runner, caches, bt, ctx, emitted, aux, a, inp.row_valid)
+    return StepOut(tokens=emitted, count=a + 1, root=res.next_token, normed=normed, feedback=feedback)

@@ -1,0 +1,79 @@
+"""The draft tree of one speculation round, batched and padded to a static node count.
+
+Node 0 of every row is the **root**: the last committed token (sampled by the target in the
+previous round, not yet in the target's KV cache). Nodes 1..N-1 are drafted tokens, stored in
+topological order (a parent's index is smaller than its children's). A chain is the tree whose
+node i has parent i - 1.
+
+Each drafted node records how it was proposed, which decides how it is verified at T > 0:
+
+* ``sampled[b, i] = False``: a **deterministic** candidate (e.g. the top-k of the draft
+  distribution). It is verified with the point-mass rule: accept with probability p(token);
+  on rejection the residual is p with that token removed, renormalised.
+* ``sampled[b, i] = True``: the token was **drawn** from its parent's processed draft distribution
+  ``dists[b, dist_index[b, parent]]`` without replacement after its earlier-ranked sampled siblings.
+  It is verified with that actual distribution q_i (q with earlier siblings removed,
+  renormalised): accept with min(1, p/q_i), residual norm(max(p - q_i, 0)).
+
+Siblings are tried in ``sibling_rank`` order (draw order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [B, N] long; node 0 = root
+    parents: torch.Tensor  # [B, N] long; parent node index, -1 for the root and for padding nodes
+    depths: torch.Tensor  # [B, N] long; root 0
+    valid: torch.Tensor  # [B, N] bool; padding nodes False (never attended, never accepted)
+    sampled: torch.Tensor  # [B, N] bool; see module docstring
+    sibling_rank: torch.Tensor  # [B, N] long; order among the node's siblings (0 = tried first)
+    dist_index: torch.Tensor  # [B, N] long; row of ``dists`` holding the node's own draft distribution, -1 if none
+    dists: torch.Tensor | None = None  # [B, E, V] processed draft distributions of expanded nodes
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    def attention_mask(self) -> torch.Tensor:
+        """[B, N, N] bool: node i attends node j iff j is i or an ancestor of i (padding: self only)."""
+        return tree_attention_mask(self.parents)
+
+
+def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [B, N] (topological, -1 = none) -> ancestors-or-self mask [B, N, N]."""
+    b, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
+    mask = eye.clone()
+    for i in range(1, n):
+        p = parents[:, i]
+        has = p >= 0
+        anc = mask[torch.arange(b, device=parents.device), p.clamp(min=0)]  # [B, N] parent's row
+        mask[:, i] = torch.where(has[:, None], anc | eye[:, i], eye[:, i])
+    return mask
+
+
+def chain_tree(tokens: torch.Tensor, sampled: bool = False, dists: torch.Tensor | None = None) -> DraftTree:
+    """A chain: root tokens[:, 0] followed by drafted tokens[:, 1:] (node i's parent is i - 1).
+
+    If ``sampled``, node i (i >= 1) was drawn from ``dists[:, i - 1]`` (the distribution drafted at
+    node i - 1), so node i - 1 has ``dist_index = i - 1``.
+    """
+    b, n = tokens.shape
+    dev = tokens.device
+    idx = torch.arange(n, device=dev).expand(b, n)
+    parents = idx - 1
+    dist_index = torch.where(idx < n - 1, idx, torch.full_like(idx, -1)) if sampled else torch.full_like(idx, -1)
+    return DraftTree(
+        tokens=tokens, parents=parents, depths=idx.clone(), valid=torch.ones(b, n, dtype=torch.bool, device=dev),
+        sampled=torch.full((b, n), sampled, device=dev) & (idx > 0), sibling_rank=torch.zeros_like(idx),
+        dist_index=dist_index, dists=dists)
