@@ -22,6 +22,7 @@ import torch
 from torchspec.runtime.decoder import TargetDecoder
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
+from torchspec.runtime.graphs import StepGraphs
 from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.steps import Caches, plain_step, prefill, speculate
@@ -57,7 +58,8 @@ class _Slot:
 
 class Engine:
     def __init__(self, decoder: TargetDecoder, runner: DrafterRunner | None = None, tokenizer=None, *,
-                 max_batch: int = 8, max_context: int = 2048, page_size: int = 16, num_pages: int | None = None):
+                 max_batch: int = 8, max_context: int = 2048, page_size: int = 16, num_pages: int | None = None,
+                 cuda_graphs: bool | None = None):
         if max_batch < 1 or max_context < 2 or page_size < 1:
             raise ValueError(f"Engine: max_batch={max_batch} >= 1, max_context={max_context} >= 2 and "
                              f"page_size={page_size} >= 1 are required.")
@@ -75,8 +77,12 @@ class Engine:
         if runner is not None:
             self.normed = torch.zeros(max_batch, runner.hidden_size, dtype=runner.dtype, device=dev)
             self.feedback = torch.zeros_like(self.normed)
-        eos = decoder.eos_token_ids
-        self.eos_token_ids = set(eos)
+        self.eos_token_ids = set(decoder.eos_token_ids)
+        if cuda_graphs is None:
+            cuda_graphs = dev.type == "cuda"
+        if cuda_graphs and dev.type != "cuda":
+            raise ValueError("cuda_graphs=True needs the engine on a CUDA device.")
+        self.graphs = StepGraphs() if cuda_graphs else None
 
     # --- bookkeeping ---------------------------------------------------------------------------
 
@@ -154,6 +160,8 @@ class Engine:
             return self._finish(results)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
+        if self.graphs is not None:  # graphed steps draw from the default CUDA generator
+            torch.cuda.manual_seed(seed)
         runner = self.runner if spec is not None else None
         per_round = 1  # KV positions a round may write beyond a row's committed prefix
         if spec is not None:
@@ -203,22 +211,38 @@ class Engine:
             self.feedback[rows] = out.feedback.to(self.feedback.dtype)
 
     def _round(self, active, slots, runner, spec, sampling, generator, max_new, stop) -> None:
-        rows = torch.tensor(active, dtype=torch.long, device=self.device)
-        ctx = torch.tensor([slots[i].ctx for i in active], dtype=torch.long, device=self.device)
-        valid = torch.ones(len(active), dtype=torch.bool, device=self.device)
-        bt = self.block_table[rows]
         t0 = time.perf_counter()
-        if runner is None:
-            out = plain_step(self.decoder, self.caches, bt, ctx, self.root[rows], valid, sampling, generator)
+        if self.graphs is not None:  # every slot, empty ones as invalid rows: one static shape
+            active_all = list(range(len(slots)))
+            valid = torch.tensor([s is not None for s in slots], dtype=torch.bool).to(self.device)
         else:
-            inp = DraftInputs(root=self.root[rows], normed=self.normed[rows], feedback=self.feedback[rows],
-                              ctx_len=ctx, block_table=bt, row_valid=valid)
-            out = speculate(self.decoder, runner, self.caches, inp, spec, sampling, generator)
+            active_all = active
+            valid = torch.ones(len(active), dtype=torch.bool, device=self.device)
+        rows = torch.tensor(active_all, dtype=torch.long).to(self.device)
+        ctx = torch.tensor([slots[i].ctx if slots[i] is not None else 0 for i in active_all],
+                           dtype=torch.long).to(self.device)
+        bt = self.block_table[rows]
+        if runner is None:
+            def step(bt, ctx, root, valid):
+                return plain_step(self.decoder, self.caches, bt, ctx, root, valid, sampling,
+                                  generator if self.graphs is None else None)
+            args = {"bt": bt, "ctx": ctx, "root": self.root[rows], "valid": valid}
+            key = ("plain", len(active_all), sampling)
+        else:
+            def step(inp):
+                return speculate(self.decoder, runner, self.caches, inp, spec, sampling,
+                                 generator if self.graphs is None else None)
+            args = {"inp": DraftInputs(root=self.root[rows], normed=self.normed[rows], feedback=self.feedback[rows],
+                                       ctx_len=ctx, block_table=bt, row_valid=valid)}
+            key = ("spec", len(active_all), spec, sampling)
+        out = step(**args) if self.graphs is None else self.graphs.run(key, step, args)
         self._store(rows, out)
         tokens, counts = out.tokens.tolist(), out.count.tolist()  # the round's one host sync
         dt = time.perf_counter() - t0
-        for j, i in enumerate(active):
+        for j, i in enumerate(active_all):
             slot = slots[i]
+            if slot is None:
+                continue
             slot.ctx += counts[j]
             slot.result.accept_lengths.append(counts[j])
             slot.result.decode_s += dt
@@ -228,7 +252,9 @@ class Engine:
         slot = slots[slot_id]
         if slot is None:
             return
-        if not slot.result.finish_reason and slot.ctx + per_round > self.max_context:
+        # the next round writes KV positions ctx .. ctx + per_round - 1 and may commit up to
+        # per_round tokens beyond them: stop while prompt + generated still fits max_context
+        if not slot.result.finish_reason and slot.ctx + per_round >= self.max_context:
             slot.result.finish_reason = "length"
         if slot.result.finish_reason:
             self._release(slot_id, slot)

@@ -95,8 +95,13 @@ class AttentionMeta:
 
 
 def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Logical positions [B, T] -> flat slots [B, T] through the rows' block tables [B, P]."""
-    page = torch.gather(block_table, 1, (positions // page_size).clamp(max=block_table.shape[1] - 1))
+    """Logical positions [B, T] -> flat slots [B, T] through the rows' block tables [B, P].
+
+    Positions beyond the table map to the trash page (never onto another position's slot)."""
+    index = positions // page_size
+    inside = index < block_table.shape[1]
+    page = torch.gather(block_table, 1, index.clamp(max=block_table.shape[1] - 1))
+    page = torch.where(inside, page, torch.full_like(page, TRASH_PAGE))
     return page * page_size + positions % page_size
 
 
@@ -154,10 +159,14 @@ def paged_attention(
     flat = meta.write_slots.reshape(-1)
     k_pool.index_copy_(0, flat, k_new.transpose(1, 2).reshape(-1, kvh, d).to(k_pool.dtype))
     v_pool.index_copy_(0, flat, v_new.transpose(1, 2).reshape(-1, kvh, d).to(v_pool.dtype))
-    keys = k_pool[meta.key_slots].transpose(1, 2).to(q.dtype)  # [B, kv_heads, S, D]
-    values = v_pool[meta.key_slots].transpose(1, 2).to(q.dtype)
+    b, s = meta.key_slots.shape
+    flat_keys = meta.key_slots.reshape(-1)  # index_select: far cheaper than advanced indexing
+    keys = k_pool.index_select(0, flat_keys).view(b, s, kvh, d).transpose(1, 2)  # [B, kv_h, S, D]
+    values = v_pool.index_select(0, flat_keys).view(b, s, kvh, d).transpose(1, 2)
     groups = q.shape[1] // kvh
     if groups > 1:
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, scale=scale)
+    # contiguous operands: CPU SDPA on strided inputs takes a path ~300x slower
+    keys, values = keys.to(q.dtype).contiguous(), values.to(q.dtype).contiguous()
+    return F.scaled_dot_product_attention(q.contiguous(), keys, values, attn_mask=meta.mask, scale=scale)

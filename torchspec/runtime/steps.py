@@ -122,9 +122,9 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
                   capture_layers=tuple(runner.config.aux_layer_ids))
     logits = decoder.logits(out.hidden)  # [B, N, V] fp32
     if params.greedy:
-        res = verify_greedy(tree, logits)
+        res = verify_greedy(tree, logits, max_depth=spec.depth)
     else:
-        res = verify_sampling(tree, process_logits(logits, params), generator)
+        res = verify_sampling(tree, process_logits(logits, params), generator, max_depth=spec.depth)
     a = res.num_accepted  # [B]
     width = res.path.shape[1]  # D + 1
     steps = torch.arange(width, device=dev)
