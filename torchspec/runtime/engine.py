@@ -59,12 +59,13 @@ class _Slot:
 class Engine:
     def __init__(self, decoder: TargetDecoder, runner: DrafterRunner | None = None, tokenizer=None, *,
                  max_batch: int = 8, max_context: int = 2048, page_size: int = 16, num_pages: int | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, prefill_tokens: int = 16384):
         if max_batch < 1 or max_context < 2 or page_size < 1:
             raise ValueError(f"Engine: max_batch={max_batch} >= 1, max_context={max_context} >= 2 and "
                              f"page_size={page_size} >= 1 are required.")
         self.decoder, self.runner, self.tokenizer = decoder, runner, tokenizer
         self.max_batch, self.max_context, self.page_size = max_batch, max_context, page_size
+        self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward
         self.pages_per_row = math.ceil(max_context / page_size)
         num_pages = num_pages or max_batch * self.pages_per_row + 1
         self.allocator = PageAllocator(num_pages)
@@ -170,10 +171,12 @@ class Engine:
         slots: list[_Slot | None] = [None] * concurrency
         try:
             while waiting or any(s is not None for s in slots):
-                for slot_id in range(concurrency):  # fill free slots
-                    if slots[slot_id] is None and waiting:
-                        slots[slot_id] = self._admit(slot_id, waiting.pop(0), prompts, results, runner, sampling,
-                                                     generator, max_new_tokens, stop)
+                free = [i for i in range(concurrency) if slots[i] is None]
+                if free and waiting:  # fill free slots: one batched prefill
+                    admitted = [(slot_id, waiting.pop(0)) for slot_id in free[: len(waiting)]]
+                    self._admit(admitted, slots, prompts, results, runner, sampling, generator, max_new_tokens,
+                                stop)
+                    for slot_id, _ in admitted:
                         self._retire_if_done(slot_id, slots, per_round)
                 active = [i for i, s in enumerate(slots) if s is not None]
                 if not active:
@@ -189,20 +192,37 @@ class Engine:
                     self._release(i, s)
         return self._finish(results)
 
-    def _admit(self, slot_id, index, prompts, results, runner, sampling, generator, max_new, stop) -> _Slot:
-        prompt = prompts[index]
-        slot = _Slot(index=index, result=results[index], pages=[], ctx=0)
-        self._ensure_pages(slot_id, slot, len(prompt))
+    def _admit(self, admitted, slots, prompts, results, runner, sampling, generator, max_new, stop) -> None:
+        """Prefill the prompts of ``admitted`` [(slot_id, request index)] together, in chunks of
+        at most ``prefill_tokens`` padded tokens."""
         t0 = time.perf_counter()
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        out = prefill(self.decoder, runner, self.caches, self.block_table[slot_id:slot_id + 1], ids, sampling,
-                      generator)
-        self._store(torch.tensor([slot_id], device=self.device), out)
-        first = out.root.tolist()
-        slot.result.prefill_s = time.perf_counter() - t0
-        slot.ctx = len(prompt)
-        self._commit(slot, first, max_new, stop)
-        return slot
+        chunk: list = []
+        for pair in sorted(admitted, key=lambda x: len(prompts[x[1]])):
+            longest = max([len(prompts[i]) for _, i in chunk + [pair]])
+            if chunk and longest * (len(chunk) + 1) > self.prefill_tokens:
+                self._prefill_chunk(chunk, slots, prompts, results, runner, sampling, generator, max_new, stop)
+                chunk = []
+            chunk.append(pair)
+        self._prefill_chunk(chunk, slots, prompts, results, runner, sampling, generator, max_new, stop)
+        dt = time.perf_counter() - t0
+        for slot_id, _ in admitted:
+            if slots[slot_id] is not None:
+                slots[slot_id].result.prefill_s = dt / len(admitted)
+
+    def _prefill_chunk(self, chunk, slots, prompts, results, runner, sampling, generator, max_new, stop) -> None:
+        lengths = [len(prompts[i]) for _, i in chunk]
+        width = max(lengths)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, (slot_id, index) in enumerate(chunk):
+            ids[row, : lengths[row]] = torch.tensor(prompts[index])
+            slots[slot_id] = _Slot(index=index, result=results[index], pages=[], ctx=lengths[row])
+            self._ensure_pages(slot_id, slots[slot_id], lengths[row])
+        rows = torch.tensor([slot_id for slot_id, _ in chunk], dtype=torch.long).to(self.device)
+        out = prefill(self.decoder, runner, self.caches, self.block_table[rows], ids.to(self.device),
+                      torch.tensor(lengths).to(self.device), sampling, generator)
+        self._store(rows, out)
+        for (slot_id, _), first in zip(chunk, out.root.tolist()):
+            self._commit(slots[slot_id], [first], max_new, stop)
 
     def _store(self, rows: torch.Tensor, out) -> None:
         self.root[rows] = out.root

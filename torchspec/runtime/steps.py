@@ -79,21 +79,28 @@ def catch_up_drafter(runner: DrafterRunner, caches: Caches, block_table: torch.T
 
 
 def prefill(decoder: TargetDecoder, runner: DrafterRunner | None, caches: Caches, block_table: torch.Tensor,
-            prompt: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> StepOut:
-    """One prompt [1, P] into an empty row: fills the target (and drafter) cache, samples x_P."""
-    _, p = prompt.shape
-    dev = prompt.device
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
-    valid = torch.ones(1, dtype=torch.bool, device=dev)
-    meta = build_attention_meta(block_table, zero, causal_mask(1, p, dev), caches.page_size, row_valid=valid)
+            prompts: torch.Tensor, lengths: torch.Tensor, params: SamplingParams,
+            generator: torch.Generator | None) -> StepOut:
+    """Prompts [B, T] (right-padded; ``lengths`` [B]) into empty rows: fills the target (and
+    drafter) cache and samples each row's first token x_P. Padding positions only write KV at
+    positions >= the row's length (uncommitted, or the trash page beyond its block table)."""
+    b, t = prompts.shape
+    dev = prompts.device
+    zero = torch.zeros(b, dtype=torch.long, device=dev)
+    valid = torch.ones(b, dtype=torch.bool, device=dev)
+    positions = torch.arange(t, device=dev).expand(b, t)
+    meta = build_attention_meta(block_table, zero, causal_mask(b, t, dev), caches.page_size, row_valid=valid)
     aux_ids = tuple(runner.config.aux_layer_ids) if runner is not None else ()
-    out = decoder(prompt, torch.arange(p, device=dev)[None], caches.target, meta, capture_layers=aux_ids)
-    first = next_token(decoder.logits(out.hidden[:, -1]), params, generator)  # [1]
-    step = StepOut(tokens=first[:, None], count=torch.ones(1, dtype=torch.long, device=dev), root=first)
+    out = decoder(prompts, positions, caches.target, meta, capture_layers=aux_ids)
+    last = (lengths - 1)[:, None, None]
+    hidden_last = torch.gather(out.hidden, 1, last.expand(b, 1, out.hidden.shape[-1]))[:, 0]
+    first = next_token(decoder.logits(hidden_last), params, generator)  # [B]
+    step = StepOut(tokens=first[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=first)
     if runner is not None:
-        shifted = torch.cat([prompt[:, 1:], first[:, None]], 1)  # x_{t+1}
+        shifted = torch.cat([prompts[:, 1:], first[:, None]], 1)  # x_{t+1}; x_P at position P - 1
+        shifted = shifted.scatter(1, (lengths - 1)[:, None], first[:, None])
         step.normed, step.feedback = catch_up_drafter(runner, caches, block_table, zero, shifted, out.aux,
-                                                      torch.full((1,), p - 1, device=dev), valid)
+                                                      lengths - 1, valid)
     return step
 
 
