@@ -133,10 +133,10 @@ class _DraftWriter:
         inp = self.inp
         b, f = tokens.shape
         dev = tokens.device
-        own = torch.zeros(b, f, self.total, dtype=torch.bool, device=dev)
-        own[:, torch.arange(f, device=dev), self.written + torch.arange(f, device=dev)] = True
+        slots = self.written + torch.arange(f, device=dev)  # no index_put of a host scalar: graph-safe
+        own = (torch.arange(self.total, device=dev)[None, :] == slots[:, None]).expand(b, f, self.total)
         if parent_rows is not None:
-            own |= torch.gather(self.anc, 1, parent_rows[:, :, None].expand(b, f, self.total))
+            own = own | torch.gather(self.anc, 1, parent_rows[:, :, None].expand(b, f, self.total))
         self.anc = own
         width = self.written + f
         n = inp.ctx_len - 1

@@ -77,6 +77,7 @@ class StepGraphs:
 
     def _capture(self, fn: Callable, inputs: dict):
         static_in = {name: _clone_tree(value) for name, value in inputs.items()}
+        rng_state = torch.cuda.get_rng_state()  # warm-up draws must not shift the seeded stream
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -88,4 +89,5 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             static_out = fn(**static_in)
+        torch.cuda.set_rng_state(rng_state)
         return graph, static_in, static_out
