@@ -25,6 +25,7 @@ import torch
 
 from torchspec.runtime.cli import add_engine_args, add_spec_args, engine_kwargs, spec_from_args
 from torchspec.runtime.sampling import SamplingParams
+from torchspec.runtime.tp import is_rank0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +68,7 @@ def measure(engine, prompts, spec, params, max_new, seed, concurrency) -> dict:
 def run(args) -> dict:
     from torchspec.runtime.loading import load_engine
     from torchspec.runtime.prompts import load_prompt_set, render_prompts
+    from torchspec.runtime.tp import init_tp_from_env
 
     base_spec = spec_from_args(args)
     if base_spec is None or args.drafter is None:
@@ -76,7 +78,9 @@ def run(args) -> dict:
     shapes = _csv(args.shapes)
     kwargs = engine_kwargs(args)
     kwargs["max_batch"] = max(levels)
-    engine = load_engine(args.target, args.drafter, **kwargs)
+    tp_group, device = init_tp_from_env()  # under torchrun: the target is tensor-parallel over all ranks
+    kwargs["device"] = args.device or device
+    engine = load_engine(args.target, args.drafter, tp_group=tp_group, **kwargs)
     rows = []
     for set_name in _csv(args.prompt_set):
         prompts = render_prompts(engine.tokenizer, load_prompt_set(set_name))
@@ -96,10 +100,12 @@ def run(args) -> dict:
                     res = measure(engine, chosen, spec, params, args.max_new_tokens, args.seed, c)
                     rows.append({"prompt_set": set_name, "temperature": temp, "concurrency": c, "mode": shape,
                                  **res, "speedup": res["tokens_per_s"] / plain["tokens_per_s"]})
-                    print(format_row(rows[-1]), flush=True)
+                    if is_rank0():
+                        print(format_row(rows[-1]), flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and engine.device.type == "cuda" else \
         platform.processor() or "cpu"
-    return {"device": device, "args": vars(args), "spec": dataclasses.asdict(base_spec), "rows": rows}
+    tp = engine.decoder.tp_size
+    return {"device": device, "tp": tp, "args": vars(args), "spec": dataclasses.asdict(base_spec), "rows": rows}
 
 
 def format_row(r: dict) -> str:
@@ -122,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         out = run(args)
     except (ValueError, MemoryError) as e:
         parser.exit(2, f"torchspec-bench: error: {e}\n")
+    if not is_rank0():
+        return
     print_table(out)
     from torchspec.train.checkpoint import atomic_write_text
 

@@ -17,8 +17,14 @@ import json
 import sys
 import time
 
-from torchspec.runtime.cli import (add_engine_args, add_sampling_args, add_spec_args, engine_kwargs,
-                                   sampling_from_args, spec_from_args)
+from torchspec.runtime.cli import (
+    add_engine_args,
+    add_sampling_args,
+    add_spec_args,
+    engine_kwargs,
+    sampling_from_args,
+    spec_from_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,17 +60,22 @@ def collect_prompts(args) -> list:
 def run(args) -> dict:
     from torchspec.runtime.loading import load_engine
     from torchspec.runtime.prompts import render_prompts
+    from torchspec.runtime.tp import check_tp_consistency, init_tp_from_env
 
     params, spec = sampling_from_args(args), spec_from_args(args)
     if spec is not None and args.drafter is None:
         raise ValueError("speculation needs --drafter PATH (a torchspec export); or pass --no-spec.")
     prompts = collect_prompts(args)
-    engine = load_engine(args.target, args.drafter if spec is not None else None, **engine_kwargs(args))
+    tp_group, device = init_tp_from_env()  # under torchrun: the target is tensor-parallel over all ranks
+    kwargs = engine_kwargs(args)
+    kwargs["device"] = args.device or device
+    engine = load_engine(args.target, args.drafter if spec is not None else None, tp_group=tp_group, **kwargs)
     ids = render_prompts(engine.tokenizer, prompts, chat=not args.raw)
     t0 = time.perf_counter()
     results = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=params, spec=spec,
                               seed=args.seed, ignore_eos=args.ignore_eos)
     wall = time.perf_counter() - t0
+    check_tp_consistency([r.token_ids for r in results], tp_group)
     tokens = sum(len(r.token_ids) for r in results)
     rounds = sum(len(r.accept_lengths) for r in results)
     accepted = sum(sum(r.accept_lengths) for r in results)
@@ -81,6 +92,10 @@ def main(argv: list[str] | None = None) -> None:
         out = run(args)
     except (ValueError, MemoryError) as e:
         parser.exit(2, f"torchspec-generate: error: {e}\n")
+    from torchspec.runtime.tp import is_rank0
+
+    if not is_rank0():
+        return
     if args.json:
         text = json.dumps(out, indent=1)
         if args.json == "-":
