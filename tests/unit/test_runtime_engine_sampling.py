@@ -78,7 +78,8 @@ def unnormalised_residual_step(p, token, sampled, q, u):
 
 def biased_verifier(step: verify.CandidateStep) -> Callable[[pytest.MonkeyPatch], None]:
     def patch(mp: pytest.MonkeyPatch) -> None:
-        mp.setattr(torchspec.runtime.steps, "verify_sampling", functools.partial(verify.verify_sampling, step=step))
+        biased = functools.partial(verify.verify_sampling, step=step)
+        mp.setattr(torchspec.runtime.steps, "verify_sampling", biased)
     return patch
 
 
