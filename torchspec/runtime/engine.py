@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -167,13 +168,13 @@ class Engine:
         per_round = 1  # KV positions a round may write beyond a row's committed prefix
         if spec is not None:
             per_round = max(1 + spec.num_drafted(sampling), spec.draft_slots(sampling), spec.depth + 1)
-        waiting = list(range(len(prompts)))
+        waiting = deque(range(len(prompts)))
         slots: list[_Slot | None] = [None] * concurrency
         try:
             while waiting or any(s is not None for s in slots):
                 free = [i for i in range(concurrency) if slots[i] is None]
                 if free and waiting:  # fill free slots: one batched prefill
-                    admitted = [(slot_id, waiting.pop(0)) for slot_id in free[: len(waiting)]]
+                    admitted = [(slot_id, waiting.popleft()) for slot_id in free[: len(waiting)]]
                     self._admit(admitted, slots, prompts, results, runner, sampling, generator, max_new_tokens,
                                 stop)
                     for slot_id, _ in admitted:
@@ -197,9 +198,8 @@ class Engine:
         at most ``prefill_tokens`` padded tokens."""
         t0 = time.perf_counter()
         chunk: list = []
-        for pair in sorted(admitted, key=lambda x: len(prompts[x[1]])):
-            longest = max([len(prompts[i]) for _, i in chunk + [pair]])
-            if chunk and longest * (len(chunk) + 1) > self.prefill_tokens:
+        for pair in sorted(admitted, key=lambda x: len(prompts[x[1]])):  # ascending: the newest is the longest
+            if chunk and len(prompts[pair[1]]) * (len(chunk) + 1) > self.prefill_tokens:
                 self._prefill_chunk(chunk, slots, prompts, results, runner, sampling, generator, max_new, stop)
                 chunk = []
             chunk.append(pair)

@@ -39,6 +39,14 @@ def decoder_identity(decoder: TargetDecoder) -> dict:
             "fingerprint": weights_fingerprint(decoder.embed_tokens_weight, decoder.lm_head_weight)}
 
 
+def _optional_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None when it ships none (then prompts must be token ids)."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                  "tokenizer.model", "vocab.json")):
+        return None
+    return load_tokenizer(path)
+
+
 def load_engine(target: str, drafter: str | None = None, *, device: str | torch.device | None = None,
                 dtype: str | torch.dtype = "auto", tp_group=None, max_batch: int = 8, max_context: int = 2048,
                 page_size: int = 16, num_pages: int | None = None, cache_dir: str = DEFAULT_CACHE_DIR) -> Engine:
@@ -46,7 +54,7 @@ def load_engine(target: str, drafter: str | None = None, *, device: str | torch.
     dtype = resolve_dtype(dtype, device)
     path = resolve_target_path(target, os.path.expanduser(cache_dir))
     decoder = TargetDecoder.from_pretrained(path, dtype=dtype, device=device, tp_group=tp_group)
-    tokenizer = load_tokenizer(path)
+    tokenizer = _optional_tokenizer(path)
     runner = None
     if drafter is not None:
         if not is_export(drafter):
