@@ -85,6 +85,13 @@ class SpecConfig:
             return total
         return self.depth if self.shape == "chain" else self.num_nodes
 
+    def max_tries(self, params: SamplingParams) -> int:
+        """Most candidates one row can try when verifying a round (bounds verify_sampling's loop)."""
+        if self.sampled(params):
+            return sum(self.widths(params))
+        k = 1 if self.shape == "chain" else self.topk
+        return min(self.depth * k, self.num_drafted(params))
+
     def draft_slots(self, params: SamplingParams) -> int:
         """Drafter cache slots a round writes beyond the committed prefix."""
         if self.sampled(params):

@@ -124,14 +124,15 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
     b, n = tree.tokens.shape
     dev = tree.tokens.device
     ctx, bt = inp.ctx_len, inp.block_table
-    meta = build_attention_meta(bt, ctx, tree.attention_mask(), caches.page_size, row_valid=inp.row_valid)
+    meta = build_attention_meta(bt, ctx, tree.attention_mask(spec.depth), caches.page_size, row_valid=inp.row_valid)
     out = decoder(tree.tokens, ctx[:, None] + tree.depths, caches.target, meta,
                   capture_layers=tuple(runner.config.aux_layer_ids))
     logits = decoder.logits(out.hidden)  # [B, N, V] fp32
     if params.greedy:
         res = verify_greedy(tree, logits, max_depth=spec.depth)
     else:
-        res = verify_sampling(tree, process_logits(logits, params), generator, max_depth=spec.depth)
+        res = verify_sampling(tree, process_logits(logits, params), generator, max_depth=spec.depth,
+                              max_tries=spec.max_tries(params))
     a = res.num_accepted  # [B]
     width = res.path.shape[1]  # D + 1
     steps = torch.arange(width, device=dev)

@@ -44,21 +44,29 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max())
 
-    def attention_mask(self) -> torch.Tensor:
+    def attention_mask(self, max_depth: int | None = None) -> torch.Tensor:
         """[B, N, N] bool: node i attends node j iff j is i or an ancestor of i (padding: self only)."""
-        return tree_attention_mask(self.parents)
+        return tree_attention_mask(self.parents, max_depth)
 
 
-def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:
-    """parents [B, N] (topological, -1 = none) -> ancestors-or-self mask [B, N, N]."""
+def tree_attention_mask(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """parents [B, N] (topological, -1 = none) -> ancestors-or-self mask [B, N, N].
+
+    Pointer doubling: after i rounds every node knows its ancestors up to 2^i levels up, so
+    ceil(log2(depth + 1)) rounds suffice (``max_depth`` bounds the depth; default N - 1)."""
     b, n = parents.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
-    mask = eye.clone()
-    for i in range(1, n):
-        p = parents[:, i]
-        has = p >= 0
-        anc = mask[torch.arange(b, device=parents.device), p.clamp(min=0)]  # [B, N] parent's row
-        mask[:, i] = torch.where(has[:, None], anc | eye[:, i], eye[:, i])
+    dev = parents.device
+    idx = torch.arange(n, device=dev)
+    eye = (idx[:, None] == idx[None, :]).expand(b, n, n)
+    hop = torch.where(parents >= 0, parents, idx.expand(b, n))  # [B, N] parent (self for roots/padding)
+    mask = eye | (idx[None, None, :] == hop[:, :, None])  # self and parent
+    reach = 1
+    depth = n - 1 if max_depth is None else max_depth
+    while reach < depth:
+        hop2 = torch.gather(hop, 1, hop)  # 2^i-th ancestor -> 2^(i+1)-th
+        mask = mask | torch.gather(mask, 1, hop[:, :, None].expand(b, n, n))  # add my ancestor's ancestors
+        hop = hop2
+        reach *= 2
     return mask
 
 

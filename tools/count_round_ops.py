@@ -1,0 +1,106 @@
+"""Count the device operations of one plain decode step and one speculation round (CPU, no GPU).
+
+Inside a CUDA graph a small target's step costs roughly (kernels x a few microseconds), so the ratio
+"ops per speculation round / ops per plain step" is the round's cost in plain steps, and thus the
+acceptance length speculation needs to break even. Counted: every aten op that is not a pure
+view / metadata op (a proxy for kernels), by phase of the round.
+
+    python tools/count_round_ops.py --target smollm2 --drafter outputs/default/export --out ops.json
+    python tools/count_round_ops.py --tiny    # a 30-layer tiny target + pair drafter, no files needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import sys
+import tempfile
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+VIEW_OPS = {"view", "_unsafe_view", "expand", "transpose", "t", "unsqueeze", "squeeze", "slice", "select",
+            "permute", "reshape", "alias", "as_strided", "detach", "unbind", "split", "chunk", "lift_fresh",
+            "_reshape_alias", "split_with_sizes", "diagonal"}
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in VIEW_OPS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(fn) -> tuple[int, collections.Counter]:
+    with OpCounter() as c:
+        fn()
+    return sum(c.counts.values()), c.counts
+
+
+def main() -> None:
+    from torchspec.runtime.drafting import DraftInputs, SpecConfig, draft_round
+    from torchspec.runtime.loading import load_engine
+    from torchspec.runtime.sampling import SamplingParams
+    from torchspec.runtime.steps import plain_step, speculate
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=None)
+    p.add_argument("--drafter", default=None)
+    p.add_argument("--tiny", action="store_true", help="build a 30-layer tiny pair instead")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.tiny:
+        from tests.runtime_pair import build_pair
+        from torchspec.data import build_tiny_tokenizer
+        from torchspec.target import build_tiny_target
+
+        root = pathlib.Path(tempfile.mkdtemp())
+        target, drafter = build_pair(root, build_tiny_tokenizer(384))
+        build_tiny_target(target, vocab_size=384, num_layers=30, tie_word_embeddings=False)  # same shape, 30 layers
+        args.target, args.drafter = target, drafter
+    engine = load_engine(args.target, args.drafter, device="cpu", dtype="float32", max_batch=1, max_context=256,
+                         page_size=16)
+    prompt = [list(range(1, 40))]
+    engine.generate(prompt, max_new_tokens=2)  # warm up
+    dev = engine.device
+    b = 1
+    bt = engine.block_table[:1].clone()
+    bt[0, :4] = torch.arange(1, 5)
+    ctx = torch.tensor([40])
+    valid = torch.ones(b, dtype=torch.bool)
+    root = torch.tensor([5])
+    h = engine.runner.hidden_size
+    inp = DraftInputs(root=root, normed=torch.zeros(b, h), feedback=torch.zeros(b, h), ctx_len=ctx, block_table=bt,
+                      row_valid=valid)
+    rows = []
+    plain, _ = count(lambda: plain_step(engine.decoder, engine.caches, bt, ctx, root, valid, SamplingParams(), None))
+    rows.append({"step": "plain decode", "ops": plain, "in_plain_steps": 1.0})
+    cases = [("greedy tree d5 k8 n32", SpecConfig(shape="tree", depth=5, topk=8, num_nodes=32), SamplingParams()),
+             ("greedy chain d5", SpecConfig(shape="chain", depth=5), SamplingParams()),
+             ("T=1 sampled tree 4,2,1,1,1", SpecConfig(shape="tree", depth=5), SamplingParams(temperature=1.0)),
+             ("T=1 sampled chain d5", SpecConfig(shape="chain", depth=5), SamplingParams(temperature=1.0))]
+    gen = torch.Generator().manual_seed(0)
+    for name, spec, params in cases:
+        total, counts = count(lambda: speculate(engine.decoder, engine.runner, engine.caches, inp, spec, params, gen))
+        drafting, _ = count(lambda: draft_round(engine.runner, engine.caches.drafter, inp, spec, params, gen))
+        rows.append({"step": name, "ops": total, "drafting_ops": drafting, "in_plain_steps": total / plain,
+                     "top_ops": counts.most_common(6)})
+    print(f"{'step':<28} {'ops':>6} {'drafting':>9} {'x plain':>8}")
+    for r in rows:
+        print(f"{r['step']:<28} {r['ops']:>6} {r.get('drafting_ops', ''):>9} {r['in_plain_steps']:8.2f}")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps({"target": args.target, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
