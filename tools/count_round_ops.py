@@ -72,7 +72,6 @@ def main() -> None:
                          page_size=16)
     prompt = [list(range(1, 40))]
     engine.generate(prompt, max_new_tokens=2)  # warm up
-    dev = engine.device
     b = 1
     bt = engine.block_table[:1].clone()
     bt[0, :4] = torch.arange(1, 5)
@@ -91,8 +90,8 @@ def main() -> None:
              ("T=1 sampled chain d5", SpecConfig(shape="chain", depth=5), SamplingParams(temperature=1.0))]
     gen = torch.Generator().manual_seed(0)
     for name, spec, params in cases:
-        total, counts = count(lambda: speculate(engine.decoder, engine.runner, engine.caches, inp, spec, params, gen))
-        drafting, _ = count(lambda: draft_round(engine.runner, engine.caches.drafter, inp, spec, params, gen))
+        total, counts = count(lambda s=spec, q=params: speculate(engine.decoder, engine.runner, engine.caches, inp, s, q, gen))
+        drafting, _ = count(lambda s=spec, q=params: draft_round(engine.runner, engine.caches.drafter, inp, s, q, gen))
         rows.append({"step": name, "ops": total, "drafting_ops": drafting, "in_plain_steps": total / plain,
                      "top_ops": counts.most_common(6)})
     print(f"{'step':<28} {'ops':>6} {'drafting':>9} {'x plain':>8}")
