@@ -1,0 +1,160 @@
+"""Runtime efficiency with a drafter of controlled acceptance, at realistic target shapes (GPU).
+
+The speedup speculation delivers is (acceptance length) x (plain step time / round time); a drafter's
+quality moves the first factor, the runtime the second. To see the runtime alone this tool builds,
+from configs and random weights (no files, nothing to download), a target that is *mostly bigram*
+(unit-scale embedding, o_proj and down_proj scaled by ``--mix``, untied head) and an EAGLE-4 drafter built to imitate
+it (eh_proj = [I, 0] plus ``--noise``, the target's head), as tests/runtime_pair.py does:
+lower noise = higher acceptance. For every noise level and concurrency it decodes the same
+random-token prompts with the plain decoder and with each speculative shape of the same engine
+(CUDA graphs on), and reports tokens/s, speedup, mean acceptance length and the efficiency
+speedup / acceptance (1.0 = a round costs one plain step; the ideal a runtime approaches).
+
+    python tools/bench_runtime_efficiency.py --shape qwen3-8b --noise 0.0,0.2 --concurrency 1,8,64 \\
+        --out docs/bench/runtime_efficiency.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = {  # name: (family, hidden, layers, heads, kv_heads, head_dim, intermediate, vocab)
+    "qwen3-8b": ("qwen3", 4096, 36, 32, 8, 128, 12288, 151936),
+    "llama-1b": ("llama", 2048, 16, 32, 8, 64, 8192, 128256),
+    "smollm2-135m": ("llama", 576, 30, 9, 3, 64, 1536, 49152),
+}
+
+
+def hf_config(shape: str):
+    from transformers import LlamaConfig, Qwen3Config
+
+    family, h, layers, heads, kv, hd, inter, vocab = SHAPES[shape]
+    cls = Qwen3Config if family == "qwen3" else LlamaConfig
+    return cls(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, max_position_embeddings=4096,
+               rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+@torch.no_grad()
+def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed: int, device: str = "cuda"):
+    from torchspec.config import DrafterConfig
+    from torchspec.models import build_drafter
+    from torchspec.runtime.decoder import TargetDecoder
+    from torchspec.runtime.drafter_runner import DrafterRunner
+    from torchspec.runtime.engine import Engine
+    from torchspec.target.capture import default_aux_layer_ids
+
+    cfg = hf_config(shape)
+    torch.manual_seed(seed)
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    with torch.device(dev):
+        decoder = TargetDecoder(cfg)
+    decoder.rope.to(dev)
+    for name, p in decoder.named_parameters():
+        if p.dim() >= 2:  # a unit-scale embedding keeps the residual stream mostly "current token"
+            p.normal_(0.0, 1.0 if name.startswith(("embed_tokens", "lm_head")) else 0.02)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(mix)
+    decoder.to(dtype)
+    aux = default_aux_layer_ids(cfg.num_hidden_layers)
+    drafter = build_drafter(DrafterConfig(lm_head_rank=0, sliding_window=None), cfg, aux).to(dev)
+    drafter.init_from_target(decoder.embed_tokens_weight.float(), decoder.lm_head_weight.float())
+    drafter.layer.self_attn.o_proj.weight.mul_(mix * 5)
+    drafter.layer.mlp.down_proj.weight.mul_(mix * 5)
+    runner = DrafterRunner(drafter.to(dtype).eval(), cfg.vocab_size)
+    return Engine(decoder, runner, None, max_batch=max_batch, max_context=max_context, page_size=16)
+
+
+@torch.no_grad()
+def set_noise(engine, noise: float, seed: int = 0) -> None:
+    """eh_proj = [I, 0] + noise: the drafter reads the token embedding (lower noise = more agreement)."""
+    w = engine.runner.model.eh_proj.weight
+    h = w.shape[0]
+    g = torch.Generator(device=w.device).manual_seed(seed)
+    base = torch.zeros(h, 2 * h, device=w.device)
+    base[:, :h] = torch.eye(h, device=w.device)
+    w.copy_(base + noise / h**0.5 * torch.randn(h, 2 * h, device=w.device, generator=g))
+
+
+def measure(engine, prompts, spec, max_new: int, concurrency: int) -> dict:
+    engine.generate(prompts[:concurrency], max_new_tokens=8, spec=spec, ignore_eos=True, concurrency=concurrency)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, max_new_tokens=max_new, spec=spec, ignore_eos=True, concurrency=concurrency)
+    wall = time.perf_counter() - t0
+    prefill = sum(r.prefill_s for r in out)
+    tokens = sum(len(r.token_ids) - 1 for r in out)
+    rounds = sum(len(r.accept_lengths) for r in out)
+    return {"tokens_per_s": tokens / (wall - prefill), "mean_acceptance": sum(map(sum, (r.accept_lengths for r in out)))
+            / max(rounds, 1), "decode_s": wall - prefill, "tokens": tokens,
+            "outputs": [r.token_ids for r in out]}
+
+
+def main() -> None:
+    from torchspec.runtime.drafting import SpecConfig
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-8b", help=f"one of {sorted(SHAPES)}, comma-separated for several")
+    p.add_argument("--noise", default="0.0,0.2")
+    p.add_argument("--mix", type=float, default=0.1)
+    p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--out", default="runtime_efficiency.json")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run)")
+    args = p.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    specs = {"chain": SpecConfig(shape="chain", depth=args.depth),
+             "tree": SpecConfig(shape="tree", depth=args.depth, topk=4, num_nodes=16)}
+    rows = []
+    for shape in args.shape.split(","):
+        engine = build_engine(shape, args.mix, max(levels), args.prompt_len + args.max_new_tokens + 64, 0,
+                              args.device)
+        vocab = engine.decoder.vocab_size
+        for noise in (float(x) for x in args.noise.split(",")):
+            set_noise(engine, noise)
+            g = torch.Generator().manual_seed(1)
+            for c in levels:
+                n = max(c, 8)
+                prompts = torch.randint(0, vocab, (n, args.prompt_len), generator=g).tolist()
+                plain = measure(engine, prompts, None, args.max_new_tokens, c)
+                for name, spec in specs.items():
+                    res = measure(engine, prompts, spec, args.max_new_tokens, c)
+                    speedup = res["tokens_per_s"] / plain["tokens_per_s"]
+                    row = {"shape": shape, "noise": noise, "concurrency": c, "mode": name,
+                           "plain_tokens_per_s": plain["tokens_per_s"], "tokens_per_s": res["tokens_per_s"],
+                           "speedup": speedup, "mean_acceptance": res["mean_acceptance"],
+                           "efficiency": speedup / res["mean_acceptance"],
+                           "identical_to_plain": sum(a == b for a, b in zip(res["outputs"], plain["outputs"])) / n}
+                    rows.append(row)
+                    print(f"{shape:<13} noise={noise:<4} c={c:<3} {name:<6} plain {row['plain_tokens_per_s']:8.1f} "
+                          f"spec {row['tokens_per_s']:8.1f} tok/s  x{speedup:.2f}  accept {row['mean_acceptance']:.2f}"
+                          f"  efficiency {row['efficiency']:.2f}  identical {row['identical_to_plain']:.2f}",
+                          flush=True)
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    out = {"device": device, "args": vars(args), "rows": rows}
+    path = pathlib.Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(path)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
