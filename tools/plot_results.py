@@ -52,6 +52,37 @@ def plot_lm_head(src: Path, out: Path) -> None:
     plt.close(fig)
 
 
+def plot_runtime(efficiency: list[Path], smollm2: Path, out: Path) -> None:
+    """Speedup against mean acceptance length: controlled-acceptance runs and the real SmolLM2 drafter."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    markers = {1: "o", 8: "s", 64: "^"}
+    colors = {"qwen3-8b": "tab:blue", "smollm2-135m": "tab:orange"}
+    seen = set()
+    for src in efficiency:
+        for r in json.loads(src.read_text())["rows"]:
+            label = f"{r['shape']} (controlled), c={r['concurrency']}"
+            ax.scatter(r["mean_acceptance"], r["speedup"], marker=markers.get(r["concurrency"], "o"),
+                       color=colors.get(r["shape"], "gray"), facecolors="none" if r["mode"] == "chain" else None,
+                       label=None if label in seen else label)
+            seen.add(label)
+    for r in json.loads(smollm2.read_text())["rows"]:
+        if r["mode"] != "plain":
+            label = "SmolLM2 + trained drafter (MT-Bench/HumanEval)"
+            ax.scatter(r["mean_acceptance"], r["speedup"], marker="x", color="tab:green",
+                       label=None if label in seen else label)
+            seen.add(label)
+    lim = 6.2
+    ax.plot([1, lim], [1, lim], "k:", lw=1, label="ideal: speedup = acceptance")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("mean acceptance length (tokens per round)")
+    ax.set_ylabel("decode speedup over the plain decoder")
+    ax.set_title("Runtime speedup vs acceptance, H200, bf16, CUDA graphs\n(filled: tree, hollow: chain)")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     bench, img = ROOT / "docs" / "bench", ROOT / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -59,4 +90,7 @@ if __name__ == "__main__":
         plot_attention(bench / "attention_h200.json", img / "attention_long_context.png")
     if (bench / "lm_head_h200.json").exists():
         plot_lm_head(bench / "lm_head_h200.json", img / "lm_head_share.png")
+    efficiency = sorted(bench.glob("runtime_efficiency*.json"))
+    if efficiency and (bench / "runtime_smollm2.json").exists():
+        plot_runtime(efficiency, bench / "runtime_smollm2.json", img / "runtime_speedup.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))
