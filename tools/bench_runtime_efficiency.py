@@ -12,6 +12,7 @@ speedup / acceptance (1.0 = a round costs one plain step; the ideal a runtime ap
 
     python tools/bench_runtime_efficiency.py --shape qwen3-8b --noise 0.0,0.2 --concurrency 1,8,64 \\
         --out docs/bench/runtime_efficiency.json
+    torchrun --nproc_per_node=4 tools/bench_runtime_efficiency.py ...   # TP4 target (rank 0 reports)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ SHAPES = {  # name: (family, hidden, layers, heads, kv_heads, head_dim, intermed
     "qwen3-8b": ("qwen3", 4096, 36, 32, 8, 128, 12288, 151936),
     "llama-1b": ("llama", 2048, 16, 32, 8, 64, 8192, 128256),
     "smollm2-135m": ("llama", 576, 30, 9, 3, 64, 1536, 49152),
+    "tiny": ("llama", 256, 8, 4, 4, 64, 512, 1024),  # smoke runs (CPU, TP up to 4)
 }
 
 
@@ -45,7 +47,8 @@ def hf_config(shape: str):
 
 
 @torch.no_grad()
-def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed: int, device: str = "cuda"):
+def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed: int, device: str = "cuda",
+                 tp_group=None):
     from torchspec.config import DrafterConfig
     from torchspec.models import build_drafter
     from torchspec.runtime.decoder import TargetDecoder
@@ -57,8 +60,8 @@ def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed:
     torch.manual_seed(seed)
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    with torch.device(dev):
-        decoder = TargetDecoder(cfg)
+    with torch.device(dev):  # under TP every rank draws the same numbers: replicated weights agree
+        decoder = TargetDecoder(cfg, tp_group=tp_group)
     decoder.rope.to(dev)
     for name, p in decoder.named_parameters():
         if p.dim() >= 2:  # a unit-scale embedding keeps the residual stream mostly "current token"
@@ -103,6 +106,7 @@ def measure(engine, prompts, spec, max_new: int, concurrency: int) -> dict:
 
 def main() -> None:
     from torchspec.runtime.drafting import SpecConfig
+    from torchspec.runtime.tp import check_tp_consistency, init_tp_from_env, is_rank0
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-8b", help=f"one of {sorted(SHAPES)}, comma-separated for several")
@@ -119,9 +123,11 @@ def main() -> None:
     specs = {"chain": SpecConfig(shape="chain", depth=args.depth),
              "tree": SpecConfig(shape="tree", depth=args.depth, topk=4, num_nodes=16)}
     rows = []
+    tp_group, tp_device = init_tp_from_env("gloo" if args.device == "cpu" else None)
+    device = str(tp_device) if tp_group is not None else args.device
     for shape in args.shape.split(","):
         engine = build_engine(shape, args.mix, max(levels), args.prompt_len + args.max_new_tokens + 64, 0,
-                              args.device)
+                              device, tp_group)
         vocab = engine.decoder.vocab_size
         for noise in (float(x) for x in args.noise.split(",")):
             set_noise(engine, noise)
@@ -132,6 +138,7 @@ def main() -> None:
                 plain = measure(engine, prompts, None, args.max_new_tokens, c)
                 for name, spec in specs.items():
                     res = measure(engine, prompts, spec, args.max_new_tokens, c)
+                    check_tp_consistency(res["outputs"], tp_group)
                     speedup = res["tokens_per_s"] / plain["tokens_per_s"]
                     row = {"shape": shape, "noise": noise, "concurrency": c, "mode": name,
                            "plain_tokens_per_s": plain["tokens_per_s"], "tokens_per_s": res["tokens_per_s"],
@@ -139,15 +146,20 @@ def main() -> None:
                            "efficiency": speedup / res["mean_acceptance"],
                            "identical_to_plain": sum(a == b for a, b in zip(res["outputs"], plain["outputs"])) / n}
                     rows.append(row)
+                    if not is_rank0():
+                        continue
                     print(f"{shape:<13} noise={noise:<4} c={c:<3} {name:<6} plain {row['plain_tokens_per_s']:8.1f} "
                           f"spec {row['tokens_per_s']:8.1f} tok/s  x{speedup:.2f}  accept {row['mean_acceptance']:.2f}"
                           f"  efficiency {row['efficiency']:.2f}  identical {row['identical_to_plain']:.2f}",
                           flush=True)
+        engine_tp = engine.decoder.tp_size
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    out = {"device": device, "args": vars(args), "rows": rows}
+    if not is_rank0():
+        return
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    out = {"device": name, "tp": engine_tp, "args": vars(args), "rows": rows}
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
