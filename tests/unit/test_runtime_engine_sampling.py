@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 import torchspec.runtime.loading
 import torchspec.runtime.steps
 from tests.runtime_pair import build_pair
+from tests.stats import chi2_pvalue
 from torchspec.runtime import verify
 from torchspec.runtime.drafting import SpecConfig
 from torchspec.runtime.paged_kv import PagedKVCache
@@ -144,24 +145,6 @@ def target_joint(pair):
         return cache[params]
 
     return joint
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value of counts against probs (cells with expectation < 5 pooled).
-
-    Any count in a cell of probability 0 is an outright failure (p-value 0).
-    """
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    expected = counts.sum() * probs
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small & (probs > 0)].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small & (probs > 0)].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    dof = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
 def run(engine, spec: SpecConfig | None, params: SamplingParams, seed: int) -> tuple[torch.Tensor, float]:

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from tests.stats import chi2_pvalue
 from torchspec.runtime.sampling import (
     SamplingParams,
     process_logits,
@@ -20,24 +21,6 @@ from torchspec.runtime.sampling import (
 
 INF = float("inf")
 P5 = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])  # dyadic: every prefix mass is exact
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value of counts against probs (cells with expectation < 5 pooled).
-
-    Any count in a cell of probability 0 is an outright failure (p-value 0).
-    """
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    expected = counts.sum() * probs
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small & (probs > 0)].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small & (probs > 0)].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    dof = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
 def probs_of(logits: torch.Tensor, **kw) -> torch.Tensor:
