@@ -36,6 +36,7 @@ from torchspec.target.parallelize import apply_tp
 from torchspec.train.engine import OptimConfig, build_engine
 from torchspec.train.optim import warmup_cosine
 from torchspec.train.step import StepStats, TTTOptions, global_denominators, target_forward, train_step
+from torchspec.train.loss import TeacherHead
 
 
 def build_target(args, mesh, device) -> TargetModel:
@@ -75,13 +76,13 @@ def bench_one(args, target, engine, mb: int, tp_group, device) -> dict:
     def target_only():
         with torch.no_grad():
             aux, last = target_forward(target, batch, tp_group)
-            return aux, last, target.target_logits(last)
+            return aux, last, TeacherHead(last, target.lm_head_weight, target.lm_head_bias)
 
-    held = dict(zip(("aux", "last", "logits"), target_only()))
+    held = dict(zip(("aux", "last", "teacher"), target_only()))
     denominators = global_denominators([batch], opts.num_steps)
 
     def drafter_only():
-        r = engine.unroll(ids, batch["loss_mask"], held["aux"], held["logits"], denominators, opts.num_steps, opts.decay,
+        r = engine.unroll(ids, batch["loss_mask"], held["aux"], held["teacher"], denominators, opts.num_steps, opts.decay,
                           attention_mask=batch["attention_mask"], lowrank_coef=1.0, lowrank_teacher="target")
         engine.backward(r.loss)
         engine.step()

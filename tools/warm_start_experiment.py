@@ -31,6 +31,7 @@ from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter  # noqa: E402
 from torchspec.target import TargetModel, build_tiny_target  # noqa: E402
 from torchspec.train.ttt import summarize, ttt_unroll, valid_counts  # noqa: E402
+from torchspec.train.loss import TeacherHead
 
 
 def parse_args() -> argparse.Namespace:
@@ -79,7 +80,7 @@ def main() -> None:
 
     def unroll(model, bt):
         b, aux, logits = bt
-        return ttt_unroll(model, b["input_ids"], b["loss_mask"], aux, logits, k, 0.8,
+        return ttt_unroll(model, b["input_ids"], b["loss_mask"], aux, TeacherHead.from_logits(logits), k, 0.8,
                           valid_counts(b["loss_mask"], k), attention_mask=b["attention_mask"],
                           moe_aux_coef=0.01 if getattr(model.config, "moe", False) else 0.0)
 

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from torchspec.data.vocab import build_vocab_mapping
 from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
-from torchspec.train.loss import fused_linear_soft_ce
-from torchspec.train.ttt import shift_left, ttt_unroll, valid_counts
+from torchspec.train.ttt import drafter_teacher, shift_left, ttt_unroll, valid_counts
+from torchspec.train.loss import TeacherHead, fused_ttt_head_loss
 
 V, VD, H = 40, 24, 16
 SMALL = dict(vocab_size=V, draft_vocab_size=VD, hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
@@ -124,8 +124,8 @@ def test_ttt_unroll_pruned_vocab_round_trip(tmp_path, norm_output):
     loaded = Eagle3Drafter.from_pretrained(tmp_path).eval()
     ids, mask, aux, logits = batch()
     steps = 3
-    res = ttt_unroll(model, ids, mask, aux, logits, steps, 0.8, valid_counts(mask, steps))
-    res_loaded = ttt_unroll(loaded, ids, mask, aux, logits, steps, 0.8, valid_counts(mask, steps))
+    res = ttt_unroll(model, ids, mask, aux, TeacherHead.from_logits(logits), steps, 0.8, valid_counts(mask, steps))
+    res_loaded = ttt_unroll(loaded, ids, mask, aux, TeacherHead.from_logits(logits), steps, 0.8, valid_counts(mask, steps))
     assert torch.equal(res.loss, res_loaded.loss) and torch.equal(res.correct, res_loaded.correct)
     ref_loss, ref_correct = reference_loss(model, ids, mask, aux, logits, steps)
     torch.testing.assert_close(res.loss, ref_loss, rtol=1e-4, atol=1e-5)
@@ -330,16 +330,20 @@ def test_fc_norm_inputs_are_scale_invariant():
 
 
 def test_lm_head_scores_the_draft_vocabulary_with_fused_loss():
-    """The fused soft-CE (what ttt_unroll uses) takes lm_head [Vd, H] with the [.., Vd] target probs."""
+    """The fused loss (what ttt_unroll uses) takes lm_head [Vd, H] with the teacher restricted to the
+    draft vocabulary: KL to the renormalised target distribution; the argmax stays full-vocabulary."""
     model = tiny()
     assert tuple(model.lm_head.weight.shape) == (VD, H)
     ids, mask, aux, logits = batch()
     normed, _ = model.step(ids, model.fuse_target_states(aux), torch.arange(8).expand(2, 8), [])
     probs = model.target_probs_for_loss(logits)
-    w = mask.float()
-    loss, ce, argmax = fused_linear_soft_ce(normed, model.lm_head.weight, probs, w)
-    logq = torch.log_softmax(model.compute_logits(normed).float(), -1)
-    torch.testing.assert_close(ce, -(probs * logq).sum(-1), rtol=1e-5, atol=1e-5)
-    assert torch.equal(argmax, logq.argmax(-1))
-    loss.backward()
+    teacher = drafter_teacher(TeacherHead.from_logits(logits), model)
+    w = mask.float().reshape(-1, 1)
+    out = fused_ttt_head_loss(normed.reshape(-1, 1, H), model.lm_head.weight, teacher, w, backend="torch")
+    logq = torch.log_softmax(model.compute_logits(normed).float(), -1).reshape(-1, VD)
+    p = probs.reshape(-1, VD)
+    torch.testing.assert_close(out.kl[:, 0], (p * (p.log() - logq)).sum(-1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.argmax[:, 0], logq.argmax(-1))
+    assert torch.equal(out.target_argmax, logits.reshape(-1, logits.shape[-1]).argmax(-1))
+    out.loss.backward()
     assert model.lm_head.weight.grad is not None and model.layer.hidden_norm.weight.grad is not None

@@ -13,6 +13,7 @@ from torchspec.models import build_drafter
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
 from torchspec.target import TargetModel
 from torchspec.train.ttt import ttt_unroll, valid_counts
+from torchspec.train.loss import TeacherHead
 
 SMALL = dict(vocab_size=40, hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
              intermediate_size=24, aux_layer_ids=[0, 1, 2], target_num_layers=4)
@@ -21,7 +22,7 @@ SMALL = dict(vocab_size=40, hidden_size=16, num_attention_heads=4, num_key_value
 def run(model, ids, aux, steps=2):
     mask = torch.ones_like(ids)
     logits = torch.randn(*ids.shape, 40, generator=torch.Generator().manual_seed(5))
-    return ttt_unroll(model, ids, mask, aux, logits, steps, 0.8, valid_counts(mask, steps))
+    return ttt_unroll(model, ids, mask, aux, TeacherHead.from_logits(logits), steps, 0.8, valid_counts(mask, steps))
 
 
 @pytest.mark.parametrize("flags", [{}, {"fc_norm": False, "norm_output": False}, {"fc_post_norm": False}])

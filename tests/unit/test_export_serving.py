@@ -26,6 +26,7 @@ from torchspec.export.serving import (
 from torchspec.models import build_drafter
 from torchspec.target import TargetModel, build_tiny_target
 from torchspec.train.ttt import ttt_unroll, valid_counts
+from torchspec.train.loss import TeacherHead
 
 REPO = Path(__file__).resolve().parents[2]
 AUX = [1, 3, 5]
@@ -65,7 +66,7 @@ def unroll(drafter, vocab: int, steps: int = 3):
     aux = [torch.randn(2, 10, 64, generator=g) for _ in range(3)]
     logits = torch.randn(2, 10, vocab, generator=g) * 3
     with torch.no_grad():
-        result = ttt_unroll(drafter, ids, mask, aux, logits, steps, 0.8, valid_counts(mask, steps))
+        result = ttt_unroll(drafter, ids, mask, aux, TeacherHead.from_logits(logits), steps, 0.8, valid_counts(mask, steps))
         normed, _ = drafter.step(ids, drafter.fuse_target_states(aux), torch.arange(10).expand(2, 10), [])
         return result, drafter.compute_logits(normed)
 

@@ -1,12 +1,14 @@
-"""EAGLE-4 efficient LM head: exact re-scoring, SVD initialisation (optimal rank-r error), the
-chunked distillation loss against plain autograd, recall counts, and that the loss trains recall."""
+"""EAGLE-4 efficient LM head: exact re-scoring, SVD initialisation (optimal rank-r error), recall
+counts of the fused loss pass, and that the scorer's distillation trains recall (the fused pass
+itself is checked against a per-position reference in test_fused_loss.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from torchspec.models.lm_head import EfficientLMHead, lowrank_distill_loss, randomized_svd, topk_recall
+from torchspec.models.lm_head import EfficientLMHead, randomized_svd
+from torchspec.train.loss import TeacherHead, fused_ttt_head_loss
 
 
 def decaying_matrix(v: int, h: int, seed: int) -> torch.Tensor:
@@ -42,18 +44,6 @@ def test_candidate_logits_are_the_full_logits_at_those_ids():
     torch.testing.assert_close(sparse.gather(-1, ids), logits)
 
 
-def test_full_rank_scorer_equals_full_head():
-    w = decaying_matrix(200, 24, seed=1)
-    head = head_from(w, rank=24, topk=5)
-    h = torch.randn(4, 9, 24)
-    full = head.full_logits(h)
-    torch.testing.assert_close(head.lowrank_scores(h), full, rtol=0, atol=1e-4)
-    ids, _ = head.candidates(h)
-    assert (ids == full.argmax(-1, keepdim=True)).any(-1).all()
-    _, stats = lowrank_distill_loss(h, head, torch.ones(4, 9), target_argmax=full.argmax(-1))
-    assert stats["full_in_topk"] == stats["target_in_topk"] == stats["valid"] == 36
-
-
 @pytest.mark.parametrize("method", ["exact", "randomized"])
 def test_svd_init_reaches_the_optimal_rank_r_error(method):
     v, h, r = 400, 64, 8
@@ -87,61 +77,31 @@ def test_randomized_svd_is_deterministic_and_keeps_global_rng():
     torch.testing.assert_close(a[1], torch.linalg.svdvals(w)[:5], rtol=1e-4, atol=0)
 
 
-def reference_distill(h, head, w, teacher_probs=None, tau=1.0):
-    s = (h @ head.down.T) @ head.up.T
-    logq = torch.log_softmax(s / tau, -1)
-    if teacher_probs is None:
-        logp = torch.log_softmax((h @ head.weight.T) / tau, -1)
-        p = logp.exp()
-    else:
-        p = teacher_probs
-        logp = torch.log(p)
-    kl = (p * (logp - logq)).sum(-1)
-    return (kl * w).sum(), kl
-
-
-@pytest.mark.parametrize("teacher", ["full", "target"])
-@pytest.mark.parametrize("chunk_elems", [7 * 90, 1 << 20])
-def test_chunked_distill_matches_plain_autograd(teacher, chunk_elems):
-    g = torch.Generator().manual_seed(4)
-    b, n, hd, v = 2, 19, 16, 90
-    head = EfficientLMHead(hd, v, rank=5, topk=7)
-    with torch.no_grad():
-        head.weight.normal_(generator=g).mul_(0.5)
-    head.init_scorer()
-    h = torch.randn(b, n, hd, generator=g, requires_grad=True)
-    w = torch.rand(b, n, generator=g) * (torch.rand(b, n, generator=g) > 0.3)
-    probs = torch.softmax(torch.randn(b, n + 3, v, generator=g) * 2, -1)[:, 2:-1] if teacher == "target" else None
-    tau = 2.0 if teacher == "full" else 1.0
-    with torch.no_grad():  # a target that agrees with the full head about half the time
-        agree = torch.rand(b, n, generator=g) < 0.5
-        target_argmax = torch.where(agree, head.full_logits(h).argmax(-1), torch.randint(0, v, (b, n), generator=g))
-
-    loss, stats = lowrank_distill_loss(h, head, w, teacher_probs=probs, target_argmax=target_argmax,
-                                       tau=tau, chunk_elems=chunk_elems)
-    (1.7 * loss).backward()
-    assert h.grad is None  # the scorer follows the drafter; no gradient reaches the states
-    assert head.weight.grad is None  # nor the full head: it is the main loss's
-    got = head.down.grad.clone(), head.up.grad.clone()
-    head.zero_grad(set_to_none=True)
-
-    loss_ref, kl_ref = reference_distill(h.detach(), head, w, probs, tau)
-    (1.7 * loss_ref).backward()
-    torch.testing.assert_close(loss, loss_ref)
-    torch.testing.assert_close(got[0], head.down.grad)
-    torch.testing.assert_close(got[1], head.up.grad)
+def distill(h, head, w, teacher_logits=None, target_argmax=None, teacher="target"):
+    """The scorer's distillation through the fused head loss (one TTT step): h [N, H], w [N].
+    Returns (scorer loss, counts as the training metrics sum them)."""
+    logits = teacher_logits if teacher_logits is not None else head.full_logits(h).detach()
+    t = TeacherHead.from_logits(logits)
+    t.argmax = target_argmax
+    weight = head.weight.detach()  # the full head's own loss is not under test here
+    out = fused_ttt_head_loss(h.detach()[:, None], weight, t, w[:, None], scorer=(head.down, head.up),
+                              topk=head.topk, scorer_teacher=teacher, backend="torch")
+    main = (out.kl[:, 0] * w).sum()
     valid = w > 0
-    torch.testing.assert_close(stats["kl_sum"], (kl_ref * valid).sum().detach())
+    t_arg = out.target_argmax
+    stats = {"valid": valid.sum(), "full_in_topk": (out.full_in_topk[:, 0] & valid).sum(),
+             "target_in_topk": (out.target_in_topk[:, 0] & valid).sum(),
+             "correct_in_topk": (out.full_in_topk[:, 0] & (out.argmax[:, 0] == t_arg) & valid).sum()}
+    return out.loss - main.detach(), stats
 
-    with torch.no_grad():  # recall against an independent computation of the top-k sets
-        top = head.lowrank_scores(h).topk(7, -1).indices
-        full_hit = (top == head.full_logits(h).argmax(-1, keepdim=True)).any(-1)
-        target_hit = (top == target_argmax[..., None]).any(-1)
-    assert stats["valid"] == valid.sum()
-    assert stats["full_in_topk"] == (full_hit & valid).sum()
-    assert stats["target_in_topk"] == (target_hit & valid).sum()
-    correct = full_hit & (head.full_logits(h).argmax(-1) == target_argmax)
-    assert stats["correct_in_topk"] == (correct & valid).sum()
+
+def test_full_rank_scorer_hits_every_argmax():
+    w = decaying_matrix(200, 24, seed=1)
+    head = head_from(w, rank=24, topk=5)
+    h = torch.randn(36, 24)
+    full = head.full_logits(h)
+    _, stats = distill(h, head, torch.ones(36), target_argmax=full.argmax(-1))
+    assert stats["full_in_topk"] == stats["target_in_topk"] == stats["valid"] == 36
 
 
 def test_recall_counts_on_a_hand_made_example():
@@ -150,24 +110,16 @@ def test_recall_counts_on_a_hand_made_example():
         head.down.copy_(torch.eye(2))
         head.up.copy_(torch.tensor([[1.0, 0], [0, 1], [-1, 0], [0, -1], [0.5, 0.5]]))
         head.weight.copy_(torch.tensor([[0.0, 0], [0, 0], [0, 5], [0, 0], [1, 1]]))
-    h = torch.tensor([[[1.0, 0.2], [0.0, 1.0], [-1.0, 0.1], [1.0, 0.2]]])
+    h = torch.tensor([[1.0, 0.2], [0.0, 1.0], [-1.0, 0.1], [1.0, 0.2]])
     # low-rank top-2: {0, 4}, {1, 4}, {2, 1}, {0, 4};  full argmax: 4, 2, 2, 4
     # target argmax:   0,      1,      3,      0   ;   the 4th position is masked out
-    target_argmax = torch.tensor([[0, 1, 3, 0]])
-    w = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    _, stats = lowrank_distill_loss(h, head, w, target_argmax=target_argmax)
+    w = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    _, stats = distill(h, head, w, target_argmax=torch.tensor([0, 1, 3, 0]))
     assert (int(stats["valid"]), int(stats["full_in_topk"]), int(stats["target_in_topk"])) == (3, 2, 2)
     assert int(stats["correct_in_topk"]) == 0  # full argmax 4, 2, 2 vs target 0, 1, 3: never right
-    # the same counts when the full argmax comes from the main loss and the teacher is the target
-    probs = torch.nn.functional.one_hot(target_argmax, 5).float() * 0.9 + 0.02
-    _, stats2 = lowrank_distill_loss(h, head, w, teacher_probs=probs, full_argmax=torch.tensor([[4, 2, 2, 4]]),
-                                     target_argmax=target_argmax)
-    assert (int(stats2["full_in_topk"]), int(stats2["target_in_topk"])) == (2, 2)
     # a target that agrees with the full head at the 1st and 3rd positions (both hits) and the 2nd (a miss)
-    _, stats3 = lowrank_distill_loss(h, head, w, target_argmax=torch.tensor([[4, 2, 2, 4]]))
+    _, stats3 = distill(h, head, w, target_argmax=torch.tensor([4, 2, 2, 4]))
     assert int(stats3["correct_in_topk"]) == 2
-    ratios = topk_recall(stats3)
-    assert [float(ratios[k]) for k in ("recall_full", "recall_target", "acc_efficient_lb")] == pytest.approx([2 / 3] * 3)
 
 
 @pytest.mark.parametrize("teacher", ["full", "target"])
@@ -183,24 +135,20 @@ def test_distill_steps_increase_heldout_recall(teacher):
     basis = torch.randn(4, hd)
 
     def states():
-        return torch.randn(1, n, 4) @ basis + 0.05 * torch.randn(1, n, hd)
+        return torch.randn(n, 4) @ basis + 0.05 * torch.randn(n, hd)
 
     h_train, h_test = states(), states()
-    with torch.no_grad():
-        full_train, full_test = head.full_logits(h_train), head.full_logits(h_test)
-    probs = torch.softmax(full_train, -1) if teacher == "target" else None
-    weights = torch.full((1, n), 1.0 / n)
+    weights = torch.full((n,), 1.0 / n)
 
     def recall():
         with torch.no_grad():
-            _, stats = lowrank_distill_loss(h_test, head, weights, teacher_probs=torch.softmax(full_test, -1),
-                                            full_argmax=full_test.argmax(-1))
+            _, stats = distill(h_test, head, weights)
         return float(stats["full_in_topk"] / stats["valid"])
 
     before = recall()
     opt = torch.optim.Adam([head.down, head.up], lr=0.02)
     for _ in range(30):
-        loss, _ = lowrank_distill_loss(h_train, head, weights, teacher_probs=probs)
+        loss, _ = distill(h_train, head, weights, teacher=teacher)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -213,7 +161,6 @@ def test_config_errors_name_the_values():
         EfficientLMHead(32, 100, rank=40)
     with pytest.raises(ValueError, match="topk=101"):
         EfficientLMHead(32, 100, rank=4, topk=101)
-    head = EfficientLMHead(8, 20, rank=2, topk=3)
-    with pytest.raises(ValueError, match="tau=2.0"):
-        lowrank_distill_loss(torch.randn(1, 2, 8), head, torch.ones(1, 2),
-                             teacher_probs=torch.full((1, 2, 20), 0.05), tau=2.0)
+    with pytest.raises(ValueError, match="scorer_teacher='self'"):
+        fused_ttt_head_loss(torch.randn(2, 1, 8), torch.randn(20, 8), TeacherHead.from_logits(torch.randn(2, 20)),
+                            torch.ones(2, 1), scorer_teacher="self")

@@ -13,6 +13,7 @@ import torch
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
 from torchspec.models.layers import apply_rope
 from torchspec.train.ttt import acceptance_length, ttt_unroll, valid_counts
+from torchspec.train.loss import TeacherHead
 
 
 def tiny_drafter(seed: int = 0, **flags) -> Eagle4Drafter:
@@ -96,7 +97,7 @@ def test_unroll_matches_naive_reference(flags):
     loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 1, 1, 1, 1, 1, 0, 0]])
     aux = [torch.randn(b, t_len, 16, generator=g) * s for s in (1.0, 5.0, 30.0)]
     target_logits = torch.randn(b, t_len, 37, generator=g) * 3
-    result = ttt_unroll(model, ids, loss_mask, aux, target_logits, steps, 0.8, valid_counts(loss_mask, steps))
+    result = ttt_unroll(model, ids, loss_mask, aux, TeacherHead.from_logits(target_logits), steps, 0.8, valid_counts(loss_mask, steps))
     ref_loss, ref_kl, ref_correct, ref_valid = reference_unroll(model, ids, loss_mask, aux, target_logits, steps, 0.8)
     assert result.valid.tolist() == ref_valid
     assert result.correct.tolist() == ref_correct
@@ -122,7 +123,7 @@ def test_all_masked_batch_touches_every_trainable_parameter():
     ids = torch.randint(1, 37, (2, 8))
     mask = torch.zeros(2, 8, dtype=torch.long)
     aux = [torch.randn(2, 8, 16) for _ in range(3)]
-    result = ttt_unroll(model, ids, mask, aux, torch.randn(2, 8, 37), 2, 0.8, valid_counts(mask, 2))
+    result = ttt_unroll(model, ids, mask, aux, TeacherHead.from_logits(torch.randn(2, 8, 37)), 2, 0.8, valid_counts(mask, 2))
     result.loss.backward()
     for n, p in model.named_parameters():
         if p.requires_grad:
@@ -137,13 +138,13 @@ def test_loss_independent_of_padding():
     mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1]])
     aux = [torch.randn(1, 7, 16, generator=g) for _ in range(3)]
     logits = torch.randn(1, 7, 37, generator=g)
-    plain = ttt_unroll(model, ids, mask, aux, logits, 3, 0.8, valid_counts(mask, 3))
+    plain = ttt_unroll(model, ids, mask, aux, TeacherHead.from_logits(logits), 3, 0.8, valid_counts(mask, 3))
     pad = 4
     padded = ttt_unroll(
         model, torch.cat([ids, torch.zeros(1, pad, dtype=torch.long)], 1),
         torch.cat([mask, torch.zeros(1, pad, dtype=torch.long)], 1),
         [torch.cat([a, torch.randn(1, pad, 16)], 1) for a in aux],
-        torch.cat([logits, torch.randn(1, pad, 37)], 1), 3, 0.8, valid_counts(mask, 3))
+        TeacherHead.from_logits(torch.cat([logits, torch.randn(1, pad, 37)], 1)), 3, 0.8, valid_counts(mask, 3))
     torch.testing.assert_close(plain.loss, padded.loss, rtol=1e-5, atol=1e-6)
     assert plain.valid.tolist() == padded.valid.tolist()
 

@@ -15,6 +15,7 @@ from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
 from torchspec.target import TargetModel, build_tiny_target
 from torchspec.train.ttt import summarize, ttt_unroll, valid_counts
+from torchspec.train.loss import TeacherHead
 
 V, VD, H = 384, 128, 32
 SIZES = dict(vocab_size=V, hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -150,7 +151,7 @@ def trained(tmp_path_factory, tiny_tokenizer):
 
 def unroll(model, batch):
     b, aux, logits = batch
-    return ttt_unroll(model, b["input_ids"], b["loss_mask"], aux, logits, K, 0.8, valid_counts(b["loss_mask"], K),
+    return ttt_unroll(model, b["input_ids"], b["loss_mask"], aux, TeacherHead.from_logits(logits), K, 0.8, valid_counts(b["loss_mask"], K),
                       attention_mask=b["attention_mask"])
 
 

@@ -12,35 +12,29 @@ Per drafted token the dense head reads V*H weights (2.5 GB in bf16 at the flagsh
 efficient head reads r*(V+H) + k*H (64 MB + 1.3 MB), 40x less, and the k-row gather costs what
 one matvec of k rows costs.
 
-**Training.** Two losses with disjoint parameters:
+**Training.** Two losses with disjoint parameters, computed in ONE fused pass over the vocabulary
+(``torchspec.train.loss``; the scorer's scores come from the same chunk of drafter states):
 
-* the full head W is trained by the main loss, unchanged: the fused chunked forward KL to the
-  target over all of V (``torchspec.train.loss``), exactly as a dense drafter.
-* the scorer (down, up) is trained by ``lowrank_distill_loss``: forward KL from a teacher
-  distribution to softmax(s(h)), summed over valid tokens with the main loss's token weights.
-  Forward KL is mass-covering: it pushes up the score of every token the teacher gives mass to,
-  which is what "the right tokens are inside the top-k" needs; its gradient on the scores,
-  w * (softmax(s) - p), has the same form as the main loss's. The teacher is either
-  - the target distribution p_target (pass ``teacher_probs``; recommended default in TTT: it is
-    already in memory, so the aux loss only adds the rank-r matmuls, ~r/H of the main loss), or
-  - the drafter's own full head, softmax(W h / tau) detached (``teacher_probs=None``): the
-    scorer then imitates exactly what it must preserve (the dense head's ranking), at the price
-    of one more [N, V] x H matmul per TTT step (about a third of the main loss's cost).
-  Where the full head is right (the only positions a greedy chain accepts), both teachers have
-  the same argmax; they differ where the full head is wrong.
-* the drafter state h is detached in the aux loss: the scorer follows the drafter, it does not
-  steer it. Without the detach the aux gradient would pull the drafter's states towards
-  directions a rank-r map reads easily, trading main-loss quality for recall; the full head and
-  the layer stay trained only by the objective that defines acceptance.
+* the full head W is trained by the main loss, unchanged: forward KL to the target over all of V,
+  exactly as a dense drafter.
+* the scorer (down, up) is distilled: forward KL from a teacher distribution to softmax(s(h)),
+  with the main loss's token weights. Forward KL is mass-covering: it pushes up the score of every
+  token the teacher gives mass to, which is what "the right tokens are inside the top-k" needs;
+  its gradient on the scores, w * (softmax(s) - p), has the same form as the main loss's. The
+  teacher is the target distribution (``drafter.lowrank_teacher=target``, default: it is computed
+  in the pass anyway) or the drafter's own full head softmax(W h), detached ("full"): the scorer
+  then imitates exactly what it must preserve (the dense head's ranking). Where the full head is
+  right (the only positions a greedy chain accepts), both teachers have the same argmax.
+* the drafter state h is detached in the scorer's loss: the scorer follows the drafter, it does
+  not steer it. Without the detach the aux gradient would pull the drafter's states towards
+  directions a rank-r map reads easily, trading main-loss quality for recall.
 
-Why a custom autograd Function: like the fused main loss, chunks of ``chunk_elems`` scores are
-materialised at a time and the gradients of down/up are accumulated in the same pass, so no
-[N, V] tensor exists whole. Chunked plain autograd would keep every chunk's softmax alive until
-backward (the whole [N, V] again) or recompute it under checkpointing (a second pass over V).
+The scorer's extra cost is its rank-r matmuls (~3 r / (4 H) of the main loss's FLOPs) and one
+more [rows, V] read in the row pass.
 
-**Recall** (``topk_recall`` turns the counts into these ratios), over the valid positions i (token weight > 0), with
-C_k(h) = the k ids returned by ``torch.topk(s(h), k)`` (ties broken as torch.topk breaks them)
-and argmax taken as torch.argmax does (first maximal index):
+**Recall** (counted by the fused loss pass, reported per depth by the training metrics), over the
+valid positions i (token weight > 0), with C_k(h) = the ids whose score is exceeded by fewer than
+k scores (the top-k, ties at the k-th score counted in) and argmax taken as torch.argmax does:
 
     full recall@k   = #{i valid : argmax_v (W h_i)_v in C_k(h_i)} / #{i valid}
     target recall@k = #{i valid : argmax_v p_target(i)_v in C_k(h_i)} / #{i valid}
@@ -180,128 +174,3 @@ def randomized_svd(a: torch.Tensor, rank: int, oversample: int = 32, niter: int 
         basis = torch.linalg.qr(a @ basis).Q  # [m, q]
     ub, s, vh = torch.linalg.svd(basis.T @ a, full_matrices=False)  # [q, n] -> small SVD
     return (basis @ ub)[:, :rank], s[:rank], vh[:rank]
-
-
-# ---- auxiliary training loss of the scorer -----------------------------------------------------
-
-
-class LowRankDistill(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, down, up, weight, teacher_probs, token_weights, full_argmax, target_argmax,
-                topk, tau, compute_dtype, chunk_rows, need_down, need_up):
-        """hidden [B, N, H] (detached), down [r, H], up [V, r], weight [V, H] or None (needed when
-        teacher_probs or full_argmax is None), teacher_probs [B, N, V] fp32 or None, token_weights
-        [B, N] fp32, full_argmax / target_argmax [B, N] or None.
-
-        Returns (weighted loss, KL per token [B, N], full-head argmax [B, N] (computed or the one
-        given), full argmax in top-k [B, N], target argmax in top-k [B, N] (all False without
-        target_argmax)).
-        """
-        b, n, _ = hidden.shape
-        dev = hidden.device
-        h_c, d_c, u_c = hidden.to(compute_dtype), down.to(compute_dtype), up.to(compute_dtype)
-        w_c = weight.to(compute_dtype) if weight is not None else None
-        kl = torch.empty(b, n, dtype=torch.float32, device=dev)
-        fa_all = torch.empty(b, n, dtype=torch.long, device=dev) if full_argmax is None else full_argmax
-        full_hit = torch.zeros(b, n, dtype=torch.bool, device=dev)
-        target_hit = torch.zeros(b, n, dtype=torch.bool, device=dev)
-        grad_down = torch.zeros_like(down, dtype=torch.float32) if need_down else None
-        grad_up = torch.zeros_like(up, dtype=torch.float32) if need_up else None
-        for i in range(b):
-            for start in range(0, n, chunk_rows):
-                rows = slice(start, min(start + chunk_rows, n))
-                hc = h_c[i, rows]  # [c, H]
-                a = hc @ d_c.T  # [c, r]
-                s = (a @ u_c.T).float()  # [c, V]
-                cand = s.topk(topk, dim=-1, sorted=False).indices  # [c, k]
-                z = (hc @ w_c.T).float() if w_c is not None else None  # [c, V] full logits
-                if full_argmax is None:
-                    fa_all[i, rows] = z.argmax(-1)
-                fa = fa_all[i, rows]
-                full_hit[i, rows] = (cand == fa[:, None]).any(-1)
-                if target_argmax is not None:
-                    target_hit[i, rows] = (cand == target_argmax[i, rows, None]).any(-1)
-                logq = torch.log_softmax(s / tau, dim=-1)
-                if teacher_probs is None:
-                    logp = torch.log_softmax(z / tau, dim=-1)
-                    p = logp.exp()
-                    kl[i, rows] = torch.linalg.vecdot(p, logp - logq)
-                else:
-                    p = teacher_probs[i, rows]
-                    kl[i, rows] = torch.xlogy(p, p).sum(-1) - torch.linalg.vecdot(p, logq)
-                if not (need_down or need_up):
-                    continue
-                # d loss / d s = w * (softmax(s / tau) - p) / tau
-                ds = logq.exp_().sub_(p).mul_(token_weights[i, rows, None] / tau).to(compute_dtype)  # [c, V]
-                if need_up:
-                    grad_up.add_((ds.T @ a).float())  # [V, r]
-                if need_down:
-                    grad_down.add_(((ds @ u_c).T @ hc).float())  # [r, H]
-        ctx.down_dtype, ctx.up_dtype = down.dtype, up.dtype
-        ctx.save_for_backward(grad_down, grad_up)
-        ctx.mark_non_differentiable(kl, fa_all, full_hit, target_hit)
-        return (kl * token_weights).sum(), kl, fa_all, full_hit, target_hit
-
-    @staticmethod
-    def backward(ctx, grad_loss, _kl, _argmax, _full, _target):
-        grad_down, grad_up = ctx.saved_tensors
-        gd = (grad_down * grad_loss).to(ctx.down_dtype) if grad_down is not None else None
-        gu = (grad_up * grad_loss).to(ctx.up_dtype) if grad_up is not None else None
-        return None, gd, gu, None, None, None, None, None, None, None, None, None, None, None
-
-
-def lowrank_distill_loss(
-    hidden: torch.Tensor,
-    head: EfficientLMHead,
-    token_weights: torch.Tensor,
-    teacher_probs: torch.Tensor | None = None,
-    full_argmax: torch.Tensor | None = None,
-    target_argmax: torch.Tensor | None = None,
-    tau: float = 1.0,
-    chunk_elems: int = 1 << 24,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Auxiliary loss of the scorer, and top-k recall counted in the same pass (module docstring).
-
-    hidden [B, N, H]: drafter states (detached here: no gradient reaches the drafter);
-    token_weights [B, N]: the main loss's weights (0 = invalid; decay**k / global count otherwise);
-    teacher_probs [B, N, V] fp32 (may be a T-slice) or None for teacher = softmax(W h / tau) of
-    the full head (detached); tau must stay 1 with teacher_probs;
-    full_argmax [B, N]: the full head's argmax if known (the fused main loss returns it), else it
-    is computed here; target_argmax [B, N] for target recall.
-
-    Returns (loss, stats) with loss = sum_i w_i KL(teacher_i || softmax(s_i / tau)), and stats of
-    0-dim device tensors (no host sync), all sums over valid tokens (token weight > 0):
-    ``kl_sum``, ``valid``, ``full_in_topk`` (full head's argmax among the candidates),
-    and with target_argmax ``target_in_topk`` and ``correct_in_topk`` (full argmax == target
-    argmax and among the candidates: the efficient head's greedy draft is right through the dense
-    head's choice, a lower bound of its greedy accuracy; the exact value can exceed it only at
-    positions counted in target_in_topk but not full_in_topk). Recall = count / valid.
-    Matmuls run in the autocast dtype if on, else in hidden's; softmax in fp32.
-    """
-    if teacher_probs is not None and tau != 1.0:
-        raise ValueError(f"lowrank_distill_loss: tau={tau} only applies with the full head as teacher.")
-    dev = hidden.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
-    need_weight = teacher_probs is None or full_argmax is None
-    grad_on = torch.is_grad_enabled()
-    with torch.autocast(dev, enabled=False):
-        loss, kl, full_argmax, full_hit, target_hit = LowRankDistill.apply(
-            hidden.detach(), head.down, head.up, head.weight.detach() if need_weight else None,
-            teacher_probs, token_weights.float(), full_argmax, target_argmax, head.topk, tau, dtype,
-            max(1, chunk_elems // head.vocab_size),
-            grad_on and head.down.requires_grad, grad_on and head.up.requires_grad)
-    valid = token_weights > 0
-    stats = {"kl_sum": (kl * valid).sum(), "valid": valid.sum(), "full_in_topk": (full_hit & valid).sum()}
-    if target_argmax is not None:
-        stats["target_in_topk"] = (target_hit & valid).sum()
-        stats["correct_in_topk"] = (full_hit & (full_argmax == target_argmax) & valid).sum()
-    return loss, stats
-
-
-def topk_recall(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Counts of ``lowrank_distill_loss`` (0-dim, or [K] per TTT step, summed over micro-batches
-    and ranks) -> ratios: ``recall_full``, ``recall_target`` and ``acc_efficient_lb`` (the lower
-    bound of the efficient head's greedy accuracy), each count / valid."""
-    names = {"full_in_topk": "recall_full", "target_in_topk": "recall_target", "correct_in_topk": "acc_efficient_lb"}
-    valid = stats["valid"].clamp(min=1)
-    return {out: stats[key] / valid for key, out in names.items() if key in stats}

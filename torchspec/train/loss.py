@@ -1,74 +1,251 @@
-"""Fused LM head + soft cross-entropy, chunked over tokens: the drafter's [N, V] logits are never
-materialised whole, and their gradient is produced in the same pass.
+"""The drafter's LM head and its forward-KL loss over ALL TTT steps in one fused, chunked pass.
 
-For rows i (tokens) with drafter state h_i, head W [V, H], target probabilities p_i and per-token
-weights w_i (0 for masked tokens; decay**k / global count otherwise):
+No [N, V] tensor is ever whole -- neither the drafter's logits nor the target's probabilities.
+The teacher is kept as what the target's own LM head consumes (``TeacherHead``: post-norm last
+hidden state + head weight), and each chunk's target distribution is computed inside the loop.
 
-    loss = sum_i w_i * CE_i,   CE_i = -sum_v p_iv log softmax(W h_i)_v
-    dloss/dz_i = w_i * (softmax(z_i) - p_i)          (sum_v p_iv = 1)
+Layout. The K TTT steps are stacked by TARGET position: ``states[n, k]`` is the drafter state of
+step k that is scored against the target distribution at flattened position n (= b*T + p; step k
+at sequence position t is scored at p = t + k + 1, see ``torchspec/train/ttt.py``). A chunk of P
+positions therefore holds P teacher rows and P*K drafter rows, and the teacher logits of a
+position are computed ONCE for all K steps (not K times).
 
-KL(p || q) = CE - entropy(p), so the gradient is that of the forward KL; the entropy is added
-back for the reported KL. With a vocabulary of 248K and 4K-token sequences the logits of one
-TTT step would be 4 GB in fp32; chunks of ``chunk_elems`` logits keep it to a few hundred MB,
-and computing the gradients during the forward avoids a second pass over the vocabulary
-(the approach of fused linear cross-entropy kernels such as Liger's).
+Per chunk (z: drafter logits, zt: teacher logits, s: the low-rank scorer's scores):
+
+    zt = teacher_hidden[P] @ Wt^T (+ bias)          [P, V]      bf16 operands, fp32 output
+    z  = states[P, K] @ W^T                         [P*K, V]
+    s  = (states @ down^T) @ up^T                   [P*K, V]    efficient head only
+    row pass (one Triton kernel on CUDA, torch on CPU): lse of zt / z / s, argmaxes,
+         KL_i = sum_v p (log p - log q),   dz = w_i (q - p),   ds = c w_i (q_s - p_s)
+    grad_states[P, K] = dz @ W;   grad_W += dz^T @ states   (fp32, accumulated in place)
+    grad_up += ds^T @ a;  grad_down += (ds @ up)^T @ states  (a = states @ down^T)
+
+so the head's weight gradient is one fp32 [V, H] buffer written by the GEMM's epilogue (beta=1),
+never a per-chunk temporary. Chunks hold ``chunk_positions`` positions (``auto_chunk_positions``
+sizes them from a memory budget). The scorer (EAGLE-4's efficient head) is distilled from the
+target distribution (``scorer_teacher="target"``) or the drafter's own full head ("full"); its
+input state is detached by construction (its gradient reaches only down/up). Its top-k recall
+is counted in the same pass: the full-head argmax is a candidate iff fewer than k scores exceed
+its score (ties count as hits).
+
+``backend``: "triton" (CUDA) or "torch" (the reference; CPU, CI). Both compute the same function.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+
 import torch
+from torch import Tensor
+
+from torchspec.train import loss_rows
 
 
-class FusedLinearSoftCE(torch.autograd.Function):
+@dataclass
+class TeacherHead:
+    """The target distribution, as the target's LM head sees it: softmax(hidden @ weight^T + bias).
+
+    hidden [B, T, Ht] (post-norm last hidden), weight [V', Ht] (the rows the drafter is scored on:
+    the full vocabulary for EAGLE-4, the draft vocabulary for EAGLE-3), bias [V'] or None.
+    ``argmax`` [B, T]: the target's argmax over its FULL vocabulary (accuracy is measured there);
+    None means ``weight`` is the full head and the loss pass computes it.
+    """
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Tensor | None = None
+    argmax: Tensor | None = None
+
+    @classmethod
+    def from_logits(cls, logits: Tensor) -> TeacherHead:
+        """Teacher from explicit logits [B, T, V] (identity head: for tests and tiny vocabularies)."""
+        return cls(hidden=logits, weight=torch.eye(logits.shape[-1], dtype=logits.dtype, device=logits.device))
+
+    def restricted(self, vocab_ids: Tensor, chunk_rows: int = 1024) -> TeacherHead:
+        """The teacher over a sub-vocabulary ``vocab_ids`` [V'] (EAGLE-3's draft vocabulary: the loss
+        then renormalises inside it), keeping the argmax over the full vocabulary."""
+        argmax = self.argmax if self.argmax is not None else self.full_argmax(chunk_rows)
+        bias = None if self.bias is None else self.bias.index_select(0, vocab_ids)
+        return TeacherHead(self.hidden, self.weight.index_select(0, vocab_ids), bias, argmax)
+
+    @torch.no_grad()
+    def full_argmax(self, chunk_rows: int = 1024) -> Tensor:
+        """[B, T] argmax of the teacher logits, chunked over positions (never [N, V] whole)."""
+        flat = self.hidden.reshape(-1, self.hidden.shape[-1])
+        out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+        for start in range(0, flat.shape[0], chunk_rows):
+            zt = mm_f32(flat[start : start + chunk_rows], self.weight.to(flat.dtype).T)
+            out[start : start + chunk_rows] = (zt if self.bias is None else zt + self.bias.float()).argmax(-1)
+        return out.view(self.hidden.shape[:-1])
+
+
+@dataclass
+class HeadLossOutput:
+    """Per-(position, step) results; rows of weight 0 hold values that must be masked out."""
+
+    loss: Tensor  # scalar: sum w * KL (+ coef * sum w * KL_scorer)
+    kl: Tensor  # [N, K] fp32 forward KL(target || drafter)
+    argmax: Tensor  # [N, K] drafter argmax (draft-vocabulary ids)
+    target_argmax: Tensor  # [N] teacher argmax over the full vocabulary
+    scorer_kl: Tensor | None = None  # [N, K]
+    full_in_topk: Tensor | None = None  # [N, K] bool
+    target_in_topk: Tensor | None = None  # [N, K] bool
+
+
+def mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with fp32 output (bf16 operands accumulate in fp32 and are not rounded back)."""
+    if a.dtype in (torch.float32, torch.float64):
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def addmm_f32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc (fp32) += a @ b in place: the GEMM's epilogue reads and writes acc (no temporary)."""
+    if a.dtype in (torch.float32, torch.float64):
+        acc.addmm_(a, b)
+    elif a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+def chunk_bytes(positions: int, vocab: int, steps: int, scorer: bool, dtype: torch.dtype) -> int:
+    """Transient bytes of one chunk: fp32 z (and s) [P*K, V], fp32 zt [P, V], dz (and ds) in dtype."""
+    per_row = 4 + torch.finfo(dtype).bits // 8
+    return positions * vocab * (4 + steps * per_row * (2 if scorer else 1))
+
+
+def auto_chunk_positions(vocab: int, steps: int, scorer: bool, dtype: torch.dtype, budget_gib: float) -> int:
+    """The most positions per chunk whose transient tensors fit ``budget_gib``."""
+    return max(1, int(budget_gib * 2**30) // chunk_bytes(1, vocab, steps, scorer, dtype))
+
+
+def check_chunk_fits(positions: int, vocab: int, steps: int, scorer: bool, dtype: torch.dtype,
+                     device: torch.device) -> None:
+    """On CUDA, refuse a chunk that cannot fit the free memory, naming the largest that fits."""
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    need = chunk_bytes(positions, vocab, steps, scorer, dtype)
+    if need > free:
+        fits = free / chunk_bytes(1, vocab, steps, scorer, dtype)
+        raise ValueError(
+            f"train.loss_chunk_gib: a loss chunk of {positions} positions needs {need / 2**30:.1f} GiB but "
+            f"{free / 2**30:.1f} GiB are free on {device}; the largest that fits is {int(fits)} positions "
+            f"(~{fits * chunk_bytes(1, vocab, steps, scorer, dtype) / 2**30:.1f} GiB): lower train.loss_chunk_gib.")
+
+
+_warned: set[str] = set()
+
+
+def resolve_backend(backend: str, device: torch.device, steps: int) -> str:
+    """"auto" -> "triton" on CUDA when Triton is importable and the shape is supported, else "torch"."""
+    if backend == "torch":
+        return backend
+    reason = loss_rows.triton_unsupported(device, steps)
+    if reason is None:
+        return "triton"
+    if backend == "triton" or device.type == "cuda":
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"fused head loss: {reason}; using the torch reference path.", stacklevel=3)
+    return "torch"
+
+
+class FusedTTTHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target_probs, token_weights, compute_dtype, chunk_rows):
-        """hidden [B, N, H], weight [V, H], target_probs [B, N, V] fp32 (each [b] a contiguous
-        block of rows; the tensor may be a slice of a longer [B, T, V]), token_weights [B, N] fp32.
-
-        Returns (weighted loss scalar, CE per token [B, N] fp32, draft argmax [B, N]).
-        """
-        b, n, _ = hidden.shape
-        h_c = hidden.to(compute_dtype)
-        w_c = weight.to(compute_dtype)
-        ce = torch.empty(b, n, dtype=torch.float32, device=hidden.device)
-        argmax = torch.empty(b, n, dtype=torch.long, device=hidden.device)
-        grad_h = torch.empty_like(hidden, dtype=torch.float32) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        for i in range(b):
-            for start in range(0, n, chunk_rows):
-                rows = slice(start, min(start + chunk_rows, n))
-                z = (h_c[i, rows] @ w_c.T).float()  # [c, V]
-                argmax[i, rows] = z.argmax(-1)
-                logq = torch.log_softmax(z, dim=-1)
-                p = target_probs[i, rows]
-                ce[i, rows] = -torch.linalg.vecdot(p, logq)
-                if grad_h is None and grad_w is None:
-                    continue
-                dz = logq.exp_().sub_(p).mul_(token_weights[i, rows, None]).to(compute_dtype)  # [c, V]
-                if grad_h is not None:
-                    grad_h[i, rows] = (dz @ w_c).float()
-                if grad_w is not None:
-                    grad_w.add_((dz.T @ h_c[i, rows]).float())
-        ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.mark_non_differentiable(ce, argmax)
-        loss = (ce * token_weights).sum()
-        return loss, ce, argmax
+    def forward(ctx, states, weight, down, up, t_hidden, t_weight, t_bias, token_weights, chunk,
+                compute_dtype, topk, scorer_coef, scorer_full, backend):
+        """states [N, K, H], weight [V', H], down [r, H] / up [V', r] or None, t_hidden [N, Ht],
+        t_weight [V', Ht], t_bias [V'] or None, token_weights [N, K] fp32. Returns the tuple of
+        ``HeadLossOutput`` fields (loss first)."""
+        n, k, h = states.shape
+        v = weight.shape[0]
+        dev = states.device
+        scorer = down is not None
+        x = states.to(compute_dtype)
+        w_c, tw_c = weight.to(compute_dtype), t_weight.to(compute_dtype)
+        th = t_hidden.to(compute_dtype)
+        d_c, u_c = (down.to(compute_dtype), up.to(compute_dtype)) if scorer else (None, None)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_s = scorer and (ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
+        acc = token_weights.dtype  # fp32 (fp64 when everything is fp64: the tests' reference)
+        grad_x = torch.empty(n, k, h, dtype=acc, device=dev) if need_x else None
+        grad_w = torch.zeros(v, h, dtype=acc, device=dev) if need_w else None
+        grad_down = torch.zeros(down.shape, dtype=acc, device=dev) if need_s else None
+        grad_up = torch.zeros(up.shape, dtype=acc, device=dev) if need_s else None
+        outs = loss_rows.RowOutputs.empty(n, k, scorer, acc, dev)
+        rows_fn = loss_rows.ROW_BACKENDS[backend]
+        for p0 in range(0, n, chunk):
+            p1 = min(p0 + chunk, n)
+            xc = x[p0:p1].reshape(-1, h)  # [P*K, H]
+            zt = mm_f32(th[p0:p1], tw_c.T)  # [P, V]
+            if t_bias is not None:
+                zt += t_bias.to(zt.dtype)
+            z = mm_f32(xc, w_c.T)  # [P*K, V]
+            a = xc @ d_c.T if scorer else None  # [P*K, r]
+            s = mm_f32(a, u_c.T) if scorer else None  # [P*K, V]
+            dz, ds = rows_fn(z, zt, s, token_weights[p0:p1], k, topk, scorer_coef, scorer_full,
+                             compute_dtype, outs, slice(p0, p1))
+            del z, zt, s
+            if need_x:
+                grad_x[p0:p1] = mm_f32(dz, w_c).view(p1 - p0, k, h)
+            if need_w:
+                addmm_f32_(grad_w, dz.T, xc)
+            if need_s:
+                addmm_f32_(grad_up, ds.T, a)
+                addmm_f32_(grad_down, (ds @ u_c).T, xc)
+        loss = (outs.kl * token_weights).sum()
+        if scorer:
+            loss = loss + scorer_coef * (outs.scorer_kl * token_weights).sum()
+        ctx.dtypes = (states.dtype, weight.dtype, None if down is None else down.dtype, None if up is None else up.dtype)
+        ctx.save_for_backward(grad_x, grad_w, grad_down, grad_up)
+        extra = outs.tensors()
+        ctx.mark_non_differentiable(*extra)
+        return (loss, *extra)
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_ce, _grad_argmax):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = (grad_h * grad_loss).to(ctx.hidden_dtype) if grad_h is not None else None
-        gw = (grad_w * grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None, None
+    def backward(ctx, grad_loss, *_):
+        grads = []
+        for g, dtype in zip(ctx.saved_tensors, ctx.dtypes):
+            grads.append(None if g is None else g.mul_(grad_loss).to(dtype))
+        gx, gw, gd, gu = grads
+        return gx, gw, gd, gu, *([None] * 10)
 
 
-def fused_linear_soft_ce(hidden: torch.Tensor, weight: torch.Tensor, target_probs: torch.Tensor,
-                         token_weights: torch.Tensor, chunk_elems: int = 1 << 24):
-    """See module docstring. hidden [N, H] in any dtype; the matmuls run in the autocast dtype if
-    autocast is on, else in hidden's dtype; softmax and CE always in fp32."""
-    dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
-    chunk_rows = max(1, chunk_elems // weight.shape[0])
-    with torch.autocast(hidden.device.type, enabled=False):
-        loss, ce, argmax = FusedLinearSoftCE.apply(hidden, weight, target_probs, token_weights.float(), dtype, chunk_rows)
-    return loss, ce, argmax
+def fused_ttt_head_loss(states: Tensor, weight: Tensor, teacher: TeacherHead, token_weights: Tensor,
+                        scorer: tuple[Tensor, Tensor] | None = None, topk: int = 128,
+                        scorer_coef: float = 1.0, scorer_teacher: str = "target",
+                        chunk_positions: int | None = None, chunk_gib: float = 4.0,
+                        backend: str = "auto") -> HeadLossOutput:
+    """See the module docstring. states [N, K, H] (any float dtype; the matmuls run in the autocast
+    dtype if autocast is on, else in states' dtype), weight [V', H], teacher over the same V' rows
+    with hidden [N, Ht] flattened, token_weights [N, K] (0 = not scored)."""
+    if scorer_teacher not in ("target", "full"):
+        raise ValueError(f"scorer_teacher={scorer_teacher!r}: use 'target' or 'full'.")
+    dev = states.device
+    dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else states.dtype
+    n, k, _ = states.shape
+    v = weight.shape[0]
+    assert teacher.weight.shape[0] == v, f"teacher rows {teacher.weight.shape[0]} != head rows {v}"
+    if chunk_positions is None:
+        chunk_positions = auto_chunk_positions(v, k, scorer is not None, dtype, chunk_gib)
+    chunk_positions = min(chunk_positions, n)
+    check_chunk_fits(chunk_positions, v, k, scorer is not None, dtype, dev)
+    down, up = scorer if scorer is not None else (None, None)
+    t_hidden = teacher.hidden.reshape(n, -1)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    with torch.autocast(dev.type, enabled=False):
+        out = FusedTTTHeadLoss.apply(
+            states, weight, down, up, t_hidden, teacher.weight, teacher.bias, token_weights.to(acc),
+            chunk_positions, dtype, topk, float(scorer_coef), scorer_teacher == "full",
+            resolve_backend(backend, dev, k))
+    loss, kl, argmax, t_argmax, *rest = out
+    if teacher.argmax is not None:
+        t_argmax = teacher.argmax.reshape(n)
+    if scorer is None:
+        return HeadLossOutput(loss, kl, argmax, t_argmax)
+    return HeadLossOutput(loss, kl, argmax, t_argmax, *rest)

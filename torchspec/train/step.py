@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from torchspec.distributed import all_reduce_sum, gather_tp_batch, scatter_for_rank
 from torchspec.models.moe import load_imbalance
-from torchspec.train.ttt import TTTResult, acceptance_length, summarize, valid_counts
+from torchspec.train.loss import TeacherHead
+from torchspec.train.ttt import HeadLossConfig, TTTResult, acceptance_length, summarize, valid_counts
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class TTTOptions:
     moe_aux_coef: float = 0.0  # MoE load-balancing loss weight
     lowrank_coef: float = 1.0  # efficient-head scorer distillation weight
     lowrank_teacher: str = "target"
+    head_loss: HeadLossConfig = HeadLossConfig()
 
 
 @dataclass
@@ -87,15 +89,16 @@ def target_forward(target, batch: dict[str, torch.Tensor], tp_group) -> tuple[li
     """The frozen target on this rank's sequences: (3 aux states, post-norm last hidden state).
 
     With a tp group, the group's ranks run ONE forward over the union of their micro-batches
-    (only token ids and masks travel) and each keeps its own rows; every rank of the group must
-    call this the same number of times (the forward contains collectives).
+    (only token ids, masks, position and document ids travel) and each keeps its own rows; every
+    rank of the group must call this the same number of times (the forward contains collectives).
+    Packed rows (``document_ids`` in the batch) are computed document by document.
     """
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "document_ids") if k in batch}
     if tp_group is None:
-        out = target(batch["input_ids"], attention_mask=batch["attention_mask"])
+        out = target(**inputs)
         return out.aux_hidden_states, out.last_hidden_state
-    union, layout = gather_tp_batch(
-        {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, tp_group)
-    out = target(union["input_ids"], attention_mask=union["attention_mask"])
+    union, layout = gather_tp_batch(inputs, tp_group, pad_values={"document_ids": -1})  # padding: no document
+    out = target(**union)
     r = dist.get_rank(tp_group)
     return [scatter_for_rank(a, layout, r) for a in out.aux_hidden_states], scatter_for_rank(out.last_hidden_state, layout, r)
 
@@ -103,17 +106,24 @@ def target_forward(target, batch: dict[str, torch.Tensor], tp_group) -> tuple[li
 def run_micro_batch(target, engine, batch: dict[str, torch.Tensor], opts: TTTOptions,
                     denominators: torch.Tensor, tp_group=None) -> TTTResult:
     aux, last = target_forward(target, batch, tp_group)
-    with torch.no_grad():
-        target_logits = target.target_logits(last)  # [B, T, V] fp32, this rank's rows only
-    return engine.unroll(batch["input_ids"], batch["loss_mask"], aux, target_logits, denominators,
+    # The teacher stays (post-norm last hidden, LM head): its distribution is computed chunk by
+    # chunk inside the fused loss, never as [B, T, V].
+    teacher = TeacherHead(last, target.lm_head_weight, target.lm_head_bias)
+    return engine.unroll(batch["input_ids"], batch["loss_mask"], aux, teacher, denominators,
                          opts.num_steps, opts.decay, attention_mask=batch["attention_mask"],
-                         moe_aux_coef=opts.moe_aux_coef, lowrank_coef=opts.lowrank_coef,
-                         lowrank_teacher=opts.lowrank_teacher)
+                         **packing_keys(batch), moe_aux_coef=opts.moe_aux_coef,
+                         lowrank_coef=opts.lowrank_coef, lowrank_teacher=opts.lowrank_teacher,
+                         head_loss=opts.head_loss)
+
+
+def packing_keys(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """position_ids / document_ids of packed rows (absent: one document per row)."""
+    return {key: batch[key] for key in ("position_ids", "document_ids") if key in batch}
 
 
 def global_denominators(batches: list[dict[str, torch.Tensor]], num_steps: int) -> torch.Tensor:
     """[K] valid-token counts of the whole optimizer step over every rank (one small all-reduce)."""
-    return all_reduce_sum(sum(valid_counts(b["loss_mask"], num_steps) for b in batches))
+    return all_reduce_sum(sum(valid_counts(b["loss_mask"], num_steps, b.get("document_ids")) for b in batches))
 
 
 def train_step(target, engine, micro_batches: list[dict[str, torch.Tensor]], opts: TTTOptions,

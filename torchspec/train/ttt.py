@@ -33,9 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
-from torchspec.models.lm_head import EfficientLMHead, lowrank_distill_loss
-from torchspec.train.loss import fused_linear_soft_ce
+from torchspec.models.lm_head import EfficientLMHead
+from torchspec.train.loss import TeacherHead, fused_ttt_head_loss
 
 
 @dataclass
@@ -49,9 +50,32 @@ class TTTResult:
     aux: dict[str, torch.Tensor]  # extra per-model metrics (e.g. MoE load) summed over steps
 
 
-def valid_counts(loss_mask: torch.Tensor, num_steps: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class HeadLossConfig:
+    """How the fused head loss runs (``torchspec.train.loss``): memory per chunk and backend."""
+
+    chunk_gib: float = 4.0  # transient memory of one chunk of positions (logits, gradients)
+    backend: str = "auto"  # auto (Triton on CUDA) | triton | torch (the reference)
+
+
+def scored_mask(loss_mask: torch.Tensor, num_steps: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] loss mask -> [B, T, K] bool by TARGET position p: step k's state at t = p - k - 1 is
+    scored at p iff p - k - 1 >= 0, the predicted token x_{p+1} exists and has loss_mask 1, and (packed
+    rows) x_t and x_{p+1} belong to the same document."""
+    b, t = loss_mask.shape
+    nxt = shift_left(loss_mask.bool(), 1, False)  # [B, T] mask of x_{p+1}
+    out = []
+    for k in range(num_steps):
+        ok = nxt & (torch.arange(t, device=loss_mask.device) >= k + 1)
+        if document_ids is not None:
+            ok = ok & (shift_right(document_ids, k + 1, -2) == shift_left(document_ids, 1, -3))
+        out.append(ok)
+    return torch.stack(out, dim=-1)
+
+
+def valid_counts(loss_mask: torch.Tensor, num_steps: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T] loss mask -> [K] count of valid (scored) tokens per TTT step."""
-    return torch.stack([loss_mask[:, k + 2 :].sum() for k in range(num_steps)]).to(torch.float64)
+    return scored_mask(loss_mask, num_steps, document_ids).sum((0, 1)).to(torch.float64)
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
@@ -62,21 +86,20 @@ def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def target_distribution(target_logits: torch.Tensor, drafter=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 target logits [B, T, V] -> (probs [B, T, V'], entropy [B, T], argmax [B, T]).
+def shift_right(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
+    """x[:, t] <- x[:, t - n] along dim 1, padded with ``fill`` at the start."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], n, *x.shape[2:]), fill)
+    return torch.cat([pad, x[:, : x.shape[1] - n]], dim=1)
 
-    V' = V, except for a drafter with a pruned vocabulary (EAGLE-3): its ``target_probs_for_loss``
-    renormalises the target distribution inside the draft vocabulary. The argmax is always over
-    the full target vocabulary, so accuracy is measured in target-vocab space (contract 5).
-    """
-    argmax = target_logits.argmax(-1)
-    if hasattr(drafter, "target_probs_for_loss"):
-        probs = drafter.target_probs_for_loss(target_logits)  # [B, T, Vd]
-        return probs, -torch.special.xlogy(probs, probs).sum(-1), argmax
-    logp = torch.log_softmax(target_logits.float(), dim=-1)
-    probs = logp.exp()
-    entropy = -(probs * logp).sum(-1)
-    return probs, entropy, argmax
+
+def drafter_teacher(teacher: TeacherHead, drafter) -> TeacherHead:
+    """The teacher over the drafter's output vocabulary: EAGLE-3's pruned draft vocabulary (the
+    loss renormalises inside it) or EAGLE-4's full one. The argmax stays over the full vocabulary."""
+    if hasattr(drafter, "draft_target_ids"):
+        return teacher.restricted(drafter.draft_target_ids())
+    return teacher
 
 
 def ttt_unroll(
@@ -84,76 +107,76 @@ def ttt_unroll(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     aux_hidden_states: list[torch.Tensor],
-    target_logits: torch.Tensor,
+    teacher: TeacherHead,
     num_steps: int,
     decay: float,
     denominators: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
     moe_aux_coef: float = 0.0,
     lowrank_coef: float = 1.0,
     lowrank_teacher: str = "target",
+    head_loss: HeadLossConfig = HeadLossConfig(),
 ) -> TTTResult:
-    """Run K = ``num_steps`` TTT steps.
+    """Run K = ``num_steps`` TTT steps, then score all of them in one fused head-loss pass.
 
-    input_ids, loss_mask, attention_mask: [B, T]; aux_hidden_states: 3 x [B, T, H]; target_logits:
-    [B, T, V] fp32 (from the target's post-norm last hidden state); denominators: [K] global valid
-    counts. An efficient LM head's low-rank scorer is trained by ``lowrank_distill_loss`` (teacher:
-    the target distribution or the drafter's full head; the drafter state is detached) with the
-    same token weights, times ``lowrank_coef``. An MoE drafter's load-balancing loss of step k enters as
-    ``moe_aux_coef * aux_k * valid_k / denominators[k] / K`` — normalised like the KL (contract 4),
+    input_ids, loss_mask, attention_mask, position_ids (per document, packed rows), document_ids
+    (-1 on padding): [B, T]; aux_hidden_states: 3 x [B, T, H]; teacher: the target's post-norm last
+    hidden [B, T, H] and LM head; denominators: [K] global valid counts. An efficient LM head's
+    low-rank scorer is distilled in the same pass (teacher: the target distribution or the drafter's
+    full head; its input state is detached) with the same token weights, times ``lowrank_coef``.
+    An MoE drafter's load-balancing loss of step k enters as
+    ``moe_aux_coef * aux_k * valid_k / denominators[k] / K`` -- normalised like the KL (contract 4),
     so its weight does not depend on micro-batching, padding or data-parallel size.
     """
     b, t = input_ids.shape
     assert t >= 2, "sequences need at least 2 tokens"
-    target_probs, target_entropy, target_argmax = target_distribution(target_logits, drafter)
-    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    if position_ids is None:
+        position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
     hidden = drafter.fuse_target_states(aux_hidden_states)  # [B, T, H]
     kv_cache: list = []
     moe_stats: list = []
-    lowrank_stats: list = []
-    efficient_head = isinstance(getattr(drafter, "lm_head", None), EfficientLMHead)
     real = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    loss = hidden.new_zeros((), dtype=torch.float32)
-    kl_sums, corrects, valids = [], [], []
+    states = []
     for k in range(num_steps):
-        step_ids = shift_left(input_ids, k + 1)  # x_{t+k+1}
-        normed, hidden = drafter.step(step_ids, hidden, positions + k, kv_cache,
-                                      token_mask=shift_left(real, k + 1), moe_stats=moe_stats)
-        valid = loss_mask[:, k + 2 :].bool()  # [B, n]: mask of the predicted token x_{t+k+2}
-        n = valid.shape[1]  # positions t = 0..T-k-3 can be valid at step k
-        tgt = slice(k + 1, k + 1 + n)  # target distribution at position t+k+1
-        mask = valid.float()
-        token_weights = mask * ((decay**k) / denominators[k].clamp(min=1).float())
-        step_loss, cross, draft_argmax = fused_linear_soft_ce(
-            normed[:, :n], drafter.lm_head.weight, target_probs[:, tgt], token_weights)
-        loss = loss + step_loss - (token_weights * target_entropy[:, tgt]).sum()  # CE -> KL (a constant)
-        if efficient_head:
-            scorer_loss, st = lowrank_distill_loss(
-                normed[:, :n], drafter.lm_head, token_weights,
-                teacher_probs=target_probs[:, tgt] if lowrank_teacher == "target" else None,
-                full_argmax=draft_argmax, target_argmax=target_argmax[:, tgt])
-            loss = loss + lowrank_coef * scorer_loss
-            lowrank_stats.append(st)
-        kl_sum = ((cross - target_entropy[:, tgt]) * mask).sum()
-        draft_target_ids = drafter.draft_to_target_ids(draft_argmax)
-        kl_sums.append(kl_sum.detach())
-        corrects.append(((draft_target_ids == target_argmax[:, tgt]) & valid).sum())
-        valids.append(valid.sum())
+        normed, hidden = drafter.step(shift_left(input_ids, k + 1), hidden, position_ids + k, kv_cache,
+                                      token_mask=shift_left(real, k + 1), moe_stats=moe_stats,
+                                      **({} if document_ids is None else {"document_ids": document_ids}))
+        states.append(shift_right(normed, k + 1))  # by target position p = t + k + 1
+    states = torch.stack(states, dim=2).reshape(b * t, num_steps, -1)  # [B*T, K, H]
+    valid = scored_mask(loss_mask, num_steps, document_ids).reshape(b * t, num_steps)  # [N, K]
+    step_weight = decay ** torch.arange(num_steps, device=valid.device, dtype=torch.float64)
+    token_weights = valid * (step_weight / denominators.to(valid.device).clamp(min=1)).float()
+    head = drafter.lm_head
+    efficient = isinstance(head, EfficientLMHead)
+    with record_function("head_loss"):
+        out = fused_ttt_head_loss(
+            states, head.weight, drafter_teacher(teacher, drafter), token_weights,
+            scorer=(head.down, head.up) if efficient else None, topk=head.topk if efficient else 0,
+            scorer_coef=lowrank_coef, scorer_teacher=lowrank_teacher,
+            chunk_gib=head_loss.chunk_gib, backend=head_loss.backend)
+    loss = out.loss
+    target_argmax = out.target_argmax[:, None]  # [N, 1]
+    correct = (drafter.draft_to_target_ids(out.argmax) == target_argmax) & valid  # [N, K]
     aux: dict[str, torch.Tensor] = {}
-    for key in ("kl_sum", "full_in_topk", "target_in_topk", "correct_in_topk"):
-        if lowrank_stats:
-            aux[f"lowrank_{key}"] = torch.stack([st[key] for st in lowrank_stats]).double().detach()  # [K]
+    if efficient:
+        aux["lowrank_kl_sum"] = torch.where(valid, out.scorer_kl, 0).sum(0).double().detach()
+        aux["lowrank_full_in_topk"] = (out.full_in_topk & valid).sum(0).double()
+        aux["lowrank_target_in_topk"] = (out.target_in_topk & valid).sum(0).double()
+        aux["lowrank_correct_in_topk"] = (out.full_in_topk & (out.argmax == target_argmax) & valid).sum(0).double()
+    valids = valid.sum(0)  # [K]
     if moe_stats:
-        weights = torch.stack(valids).float() / denominators.clamp(min=1).float() / num_steps  # [K]
+        weights = valids.float() / denominators.clamp(min=1).float() / num_steps  # [K]
         moe_aux = torch.stack([st.aux_loss for st in moe_stats])  # [K]
         loss = loss + moe_aux_coef * (weights * moe_aux).sum()
         aux["moe_aux_loss"] = moe_aux.detach()
         aux["moe_expert_load"] = torch.stack([st.expert_load for st in moe_stats]).double()  # [K, E]
     return TTTResult(
         loss=loss,
-        kl_sum=torch.stack(kl_sums),
-        correct=torch.stack(corrects).to(torch.float64),
-        valid=torch.stack(valids).to(torch.float64),
+        kl_sum=torch.where(valid, out.kl, 0).sum(0).detach(),
+        correct=correct.sum(0).to(torch.float64),
+        valid=valids.to(torch.float64),
         aux=aux,
     )
 
