@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from torchspec.config import Config, register_configs, validate_against_target, validate_config
 from torchspec.data import ResumableBatchSampler, build_datasets, collate, shard_for_rank
+from torchspec.data.packing import pack_examples
 from torchspec.data.vocab import build_vocab_mapping, token_frequencies, vocab_coverage
 from torchspec.distributed import DistInfo, barrier, build_mesh, init_distributed, is_rank0, seed_everything
 from torchspec.export.serving import is_export, load_exported_drafter
@@ -44,6 +45,7 @@ from torchspec.train.engine import OptimConfig, build_engine
 from torchspec.train.metrics import MetricsLogger, plot_metrics
 from torchspec.train.optim import resolve_precision, warmup_cosine
 from torchspec.train.step import StepStats, TTTOptions, evaluate, train_step
+from torchspec.train.ttt import HeadLossConfig
 
 log = logging.getLogger("torchspec.train")
 register_configs()
@@ -178,6 +180,9 @@ def train(raw: DictConfig) -> None:
         d.path, tokenizer, fmt=d.format, max_length=d.max_length, eval_size=d.eval_size, seed=d.seed,
         max_conversations=d.max_conversations, on_too_long=d.on_too_long, chat_template=d.chat_template)
     log.info("data: %d train / %d held-out sequences; %s", len(train_set), len(eval_set), skips.summary())
+    if d.pack:  # several conversations per training row; the held-out set stays one per row
+        train_set = pack_examples(train_set, d.max_length)
+        log.info("data.pack: %d training rows of up to %d tokens", len(train_set), d.max_length)
 
     seed_everything(t.seed)  # the same drafter initialisation on every rank
     drafter = build_model(cfg, target, aux_ids, train_set)
@@ -188,7 +193,8 @@ def train(raw: DictConfig) -> None:
     sampler = ResumableBatchSampler(len(train_set), global_batch, seed=t.seed)
     held_out = eval_batches(eval_set, t.micro_batch_size, pad_id, t.eval_batches, info)
     opts = TTTOptions(t.ttt_steps, t.step_decay, cfg.drafter.moe_aux_loss_coef if cfg.drafter.moe else 0.0,
-                      cfg.drafter.lowrank_coef, cfg.drafter.lowrank_teacher)
+                      cfg.drafter.lowrank_coef, cfg.drafter.lowrank_teacher,
+                      HeadLossConfig(t.loss_chunk_gib, t.loss_backend))
 
     step = 0
     resume_from = find_resume_checkpoint(out_dir, t.resume)

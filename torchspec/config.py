@@ -41,7 +41,8 @@ class DrafterConfig:
     pre_attn_norm: bool = True
     sliding_window: int | None = 4096  # step-0 keys within this many positions; null = full causal
     nope: bool = False  # no positional encoding at all
-    attn_backend: str = "chunked"  # chunked (SDPA per query block) | flex (CUDA) | eager (reference)
+    # auto (flex on CUDA, chunked elsewhere) | chunked (SDPA per query block) | flex (CUDA) | eager (reference)
+    attn_backend: str = "auto"
     lm_head_rank: int = 0  # efficient LM head scorer rank; 0 = dense head only
     lm_head_topk: int = 128  # candidates re-scored by the full head
     lowrank_coef: float = 1.0  # weight of the scorer's distillation loss
@@ -64,6 +65,9 @@ class DataConfig:
     format: str = "auto"  # auto | messages | sharegpt
     max_length: int = 2048
     on_too_long: str = "truncate"  # truncate | skip
+    # Training rows hold several conversations (best-fit, up to max_length tokens) with per-document
+    # positions and masks, so micro-batches carry almost no padding; the held-out set stays unpacked.
+    pack: bool = False
     max_conversations: int | None = None  # read at most this many usable conversations
     eval_size: int = 64  # held-out conversations, fixed by seed
     seed: int = 0
@@ -84,7 +88,13 @@ class TrainConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 0.5
-    precision: str = "auto"  # auto (bf16 where supported) | bf16 | fp32
+    # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32. bf16: bf16 parameters, fp32 master weights and
+    # gradient accumulation in the optimizer (torchspec/train/optim.py).
+    precision: str = "auto"
+    # Fused LM-head loss (torchspec/train/loss.py): transient memory of one chunk of positions
+    # (its logits and logit gradients) and the row-pass backend (auto: Triton on CUDA, else torch).
+    loss_chunk_gib: float = 4.0
+    loss_backend: str = "auto"  # auto | triton | torch
     seed: int = 0
     log_every: int = 10
     eval_every: int = 200  # 0: only at step 0 and at the end
@@ -185,6 +195,9 @@ def validate_config(cfg: Config) -> None:
             f"run logs exactly the metrics the uninterrupted one would."
         )
     _choice(t.precision, "train.precision", ("auto", "bf16", "fp32"))
+    _choice(t.loss_backend, "train.loss_backend", ("auto", "triton", "torch"))
+    if not t.loss_chunk_gib > 0:
+        raise ValueError(f"train.loss_chunk_gib={t.loss_chunk_gib} must be > 0 (GiB of one loss chunk's logits).")
     _choice(t.report_to, "train.report_to", ("wandb", "none"))
     _choice(cfg.target.dtype, "target.dtype", ("float32", "bfloat16"))
     _choice(cfg.data.format, "data.format", ("auto", "messages", "sharegpt"))

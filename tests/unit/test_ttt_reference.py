@@ -153,3 +153,35 @@ def test_acceptance_length_formula():
     assert acceptance_length(torch.tensor([0.0, 0.0])) == 1.0
     assert acceptance_length(torch.tensor([1.0, 1.0, 1.0])) == 4.0
     assert abs(acceptance_length(torch.tensor([0.5, 0.5])) - (1 + 0.5 + 0.25)) < 1e-12
+
+
+@pytest.mark.parametrize("flags", [{}, {"sliding_window": 3}])
+def test_packed_row_equals_its_documents_run_alone(flags):
+    """Two conversations packed into one row (per-document positions, document-aware attention and
+    validity) give exactly the per-step sums and the loss of the two run as separate rows."""
+    model = tiny_drafter(**flags)
+    g = torch.Generator().manual_seed(4)
+    lengths, steps = (9, 7), 3
+    ids = [torch.randint(1, 37, (n,), generator=g) for n in lengths]
+    masks = [torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 1]), torch.tensor([0, 0, 1, 1, 1, 1, 1])]
+    aux = [[torch.randn(n, 16, generator=g) for _ in range(3)] for n in lengths]
+    logits = [torch.randn(n, 37, generator=g) * 3 for n in lengths]
+
+    packed_ids, packed_mask = torch.cat(ids)[None], torch.cat(masks)[None]
+    documents = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    denominators = valid_counts(packed_mask, steps, documents)
+    packed = ttt_unroll(model, packed_ids, packed_mask, [torch.cat(a)[None] for a in zip(*aux)],
+                        TeacherHead.from_logits(torch.cat(logits)[None]), steps, 0.8, denominators,
+                        position_ids=positions, document_ids=documents)
+    alone = [ttt_unroll(model, i[None], m[None], [a[None] for a in x], TeacherHead.from_logits(lg[None]), steps,
+                        0.8, denominators) for i, m, x, lg in zip(ids, masks, aux, logits)]
+    assert denominators.tolist() == (valid_counts(masks[0][None], steps) + valid_counts(masks[1][None], steps)).tolist()
+    assert packed.valid.tolist() == (alone[0].valid + alone[1].valid).tolist()
+    assert packed.correct.tolist() == (alone[0].correct + alone[1].correct).tolist()
+    torch.testing.assert_close(packed.kl_sum, alone[0].kl_sum + alone[1].kl_sum, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(packed.loss, alone[0].loss + alone[1].loss, rtol=1e-5, atol=1e-6)
+    # without document ids the second conversation would see the first: the sums differ
+    blind = ttt_unroll(model, packed_ids, packed_mask, [torch.cat(a)[None] for a in zip(*aux)],
+                       TeacherHead.from_logits(torch.cat(logits)[None]), steps, 0.8, denominators)
+    assert not torch.allclose(blind.loss, packed.loss)

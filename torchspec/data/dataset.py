@@ -1,7 +1,9 @@
 """Training examples, the held-out split, batch collation and a resumable batch sampler.
 
 ``build_datasets`` turns a conversation file into tokenized ``Example``s and splits off a
-held-out set fixed by a seed. ``ResumableBatchSampler`` yields batches of example indices
+held-out set fixed by a seed. ``collate`` right-pads a batch and adds the per-token
+``position_ids`` and ``document_ids`` that packed rows (``torchspec.data.packing``) need.
+``ResumableBatchSampler`` yields batches of example indices
 forever, epoch after epoch; its ``state_dict`` (epoch, position) is what a checkpoint stores so
 that a resumed run sees exactly the batches an uninterrupted run would have seen.
 ``shard_for_rank`` gives each data-parallel rank its share of a global batch.
@@ -22,10 +24,15 @@ from torchspec.data.template import tokenize_conversation
 
 @dataclass
 class Example:
-    """One tokenized conversation: ``input_ids`` and ``loss_mask``, both long ``[T]``."""
+    """One tokenized conversation, or a packed row of several: ``input_ids``, ``loss_mask`` long ``[T]``.
+
+    ``document_lengths`` is None for a single conversation; for a packed row it lists the lengths
+    of its conversations in order (they sum to T).
+    """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
+    document_lengths: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.numel()
@@ -91,8 +98,11 @@ def build_datasets(
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a batch to its longest example.
 
-    Returns long tensors ``input_ids`` (``pad_id`` on padding), ``loss_mask`` (0 on padding)
-    and ``attention_mask`` (1 on real tokens), all ``[B, T]`` with ``T`` the longest length.
+    Returns long tensors, all ``[B, T]`` with ``T`` the longest length: ``input_ids`` (``pad_id``
+    on padding), ``loss_mask`` (0 on padding), ``attention_mask`` (1 on real tokens),
+    ``position_ids`` (position inside the token's own document; padding continues the last
+    document's count, so an unpacked row is exactly ``arange(T)``) and ``document_ids`` (index of
+    the token's document in its row, 0, 1, ...; -1 on padding).
     """
     assert examples, "collate needs at least one example"
     lengths = [len(e) for e in examples]
@@ -100,11 +110,20 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     input_ids = torch.full((batch, longest), pad_id, dtype=torch.long)  # [B, T]
     loss_mask = torch.zeros((batch, longest), dtype=torch.long)  # [B, T]
     attention_mask = torch.zeros((batch, longest), dtype=torch.long)  # [B, T]
+    position_ids = torch.arange(longest).repeat(batch, 1)  # [B, T]
+    document_ids = torch.full((batch, longest), -1, dtype=torch.long)  # [B, T]
     for row, (example, length) in enumerate(zip(examples, lengths)):
         input_ids[row, :length] = example.input_ids
         loss_mask[row, :length] = example.loss_mask
         attention_mask[row, :length] = 1
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+        start = 0
+        for doc, n in enumerate(example.document_lengths or (length,)):
+            position_ids[row, start:] = torch.arange(longest - start)  # restart; the next document restarts again
+            document_ids[row, start : start + n] = doc
+            start += n
+        assert start == length, f"document_lengths {example.document_lengths} do not sum to the length {length}"
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask,
+            "position_ids": position_ids, "document_ids": document_ids}
 
 
 class ResumableBatchSampler:

@@ -114,9 +114,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size)
 
-    def forward(self, emb, hidden, cos, sin, kv_cache):
+    def forward(self, emb, hidden, cos, sin, kv_cache, document_ids=None):
         attn_in = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        x = hidden + self.self_attn(attn_in, cos, sin, kv_cache)  # residual is the hidden, width H
+        x = hidden + self.self_attn(attn_in, cos, sin, kv_cache, document_ids)  # residual is the hidden, width H
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -237,17 +237,19 @@ class Eagle3Drafter(PreTrainedModel):
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
         token_mask: torch.Tensor | None = None,
         moe_stats: list | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step over all positions.
 
         input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T].
         ``token_mask`` and ``moe_stats`` belong to the shared drafter interface (MoE load statistics,
-        see Eagle4Drafter.step); EAGLE-3 has a dense MLP and ignores them.
+        see Eagle4Drafter.step); EAGLE-3 has a dense MLP and ignores them. document_ids [B, T]
+        (packed rows, -1 on padding) keeps step-0 attention inside each document; None = one per row.
         Returns (normed [B, T, H] -> feed ``lm_head``; feedback [B, T, H] -> next step's hidden).
         """
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary.cos_sin(positions)
-        x = self.layer(emb, hidden, cos, sin, kv_cache)
+        x = self.layer(emb, hidden, cos, sin, kv_cache, document_ids)
         normed = self.norm(x)
         return normed, (normed if self.config.norm_output else x)
 

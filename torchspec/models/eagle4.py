@@ -89,8 +89,8 @@ class Eagle4DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(h, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, kv_cache, token_mask=None, moe_stats=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
+    def forward(self, x, cos, sin, kv_cache, token_mask=None, moe_stats=None, document_ids=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, document_ids)
         h = self.post_attention_layernorm(x)
         if not self.moe:
             return x + self.mlp(h)
@@ -153,18 +153,20 @@ class Eagle4Drafter(PreTrainedModel):
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
         token_mask: torch.Tensor | None = None,
         moe_stats: list | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step over all positions.
 
         input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T];
         token_mask [B, T] marks real tokens (MoE load statistics count only those); the MoE layer
-        appends its ``MoEStats`` to ``moe_stats``.
+        appends its ``MoEStats`` to ``moe_stats``. document_ids [B, T] (packed rows: document index
+        per token, -1 on padding) keeps step-0 attention inside each document; None = one per row.
         Returns (normed [B, T, H] -> feed ``lm_head``; feedback [B, T, H] -> next step's hidden).
         """
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         x = self.eh_proj(torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], dim=-1))
         cos, sin = (None, None) if self.config.nope else self.rotary.cos_sin(positions)
-        x = self.layer(x, cos, sin, kv_cache, token_mask, moe_stats)
+        x = self.layer(x, cos, sin, kv_cache, token_mask, moe_stats, document_ids)
         normed = self.norm(x)
         return normed, (normed if self.config.norm_output else x)
 

@@ -7,7 +7,8 @@ the query of step k at position t attends to the step-0 keys at positions t - wi
 1..k at position t only (the "diagonal": the drafter's own earlier guesses for this position,
 exactly what its KV cache holds when it drafts k tokens ahead in serving). The backends that
 compute it (eager reference, chunked SDPA, flex) live in ``torchspec/models/attention.py`` and
-are chosen once per model.
+are chosen once per model. With packed rows (several documents per row) ``document_ids`` [B, T]
+restricts the step-0 keys to the query's own document.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class Attention(nn.Module):
 
     ``kv_cache`` is the list of (k, v) of the earlier TTT steps of this forward (empty at
     step 0); this call appends its own and attends with the chosen backend of
-    ``torchspec.models.attention`` (step-0 keys within ``window``, diagonal keys of later steps).
+    ``torchspec.models.attention`` (step-0 keys within ``window`` and, given ``document_ids``
+    [B, T], within the query's document; diagonal keys of later steps).
     """
 
     def __init__(self, in_dim: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -116,6 +118,7 @@ class Attention(nn.Module):
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
@@ -123,5 +126,5 @@ class Attention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         keys = [repeat_kv(kk, groups) for kk, _ in kv_cache]
         values = [repeat_kv(vv, groups) for _, vv in kv_cache]
-        out = self.attend(q, keys, values, self.head_dim**-0.5, self.window)  # [B, h, T, D]
+        out = self.attend(q, keys, values, self.head_dim**-0.5, self.window, document_ids)  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

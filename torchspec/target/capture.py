@@ -9,6 +9,16 @@ pre-norm residual, so the convention stays uniform over all ids (tests pin both 
 Contract 2 (last hidden): ``last_hidden_state`` is the base model's output, i.e. AFTER the final
 norm -- exactly what the target's lm_head consumes. Target logits are computed from it on demand
 in fp32 (`TargetModel.target_logits`); the forward itself never materialises ``[B, T, V]``.
+
+Packed rows (several documents per row, ``torchspec/data/packing.py``): given ``document_ids``,
+each document is computed as if it were alone. The decoder then gets the per-document
+``position_ids`` and no 2D ``attention_mask``, which is transformers' own packed-sequence path
+(``masking_utils.find_packed_sequence_indices``): a new sequence starts wherever ``position_ids``
+does not grow by 1, and the causal mask becomes block-diagonal, in the format of whichever
+attention implementation the model uses (sdpa, eager, flex; flash-attention reads the same
+position_ids as varlen boundaries) and for sliding-window layers too. A hand-made 4D mask would
+instead be handed unchanged to every layer type and must match the implementation's mask format.
+Padding needs no mask: it sits after every real token of its row, so causality already hides it.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from torchspec.data.packing import document_positions
 from torchspec.target.loader import load_target_config
 
 NUM_AUX_LAYERS = 3
@@ -142,11 +153,23 @@ class TargetModel(torch.nn.Module):
         return getattr(self.hf_model.get_output_embeddings(), "bias", None)
 
     @torch.no_grad()
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> TargetOutput:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                document_ids: Tensor | None = None) -> TargetOutput:
+        """input_ids [B, T]; attention_mask [B, T] (1 = real token, right padding) for unpacked rows.
+
+        With ``document_ids`` [B, T] (packed rows; -1 on padding) every document is processed
+        independently: ``position_ids`` [B, T] must restart at 0 in each document (derived from
+        ``document_ids`` when None) and ``attention_mask`` is not used (see the module docstring).
+        """
+        if document_ids is not None:
+            if position_ids is None:
+                position_ids = document_positions(document_ids)
+            attention_mask = None  # else transformers skips its packed-sequence detection
         self._captured = {}
         try:
             # The base model only: no lm_head, so no [B, T, V] logits are materialised.
-            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False)
             aux = [self._captured[i] for i in self._aux_layer_ids]
         finally:
             self._captured = None

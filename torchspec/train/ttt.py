@@ -142,7 +142,7 @@ def ttt_unroll(
     for k in range(num_steps):
         normed, hidden = drafter.step(shift_left(input_ids, k + 1), hidden, position_ids + k, kv_cache,
                                       token_mask=shift_left(real, k + 1), moe_stats=moe_stats,
-                                      **({} if document_ids is None else {"document_ids": document_ids}))
+                                      document_ids=document_ids)
         states.append(shift_right(normed, k + 1))  # by target position p = t + k + 1
     states = torch.stack(states, dim=2).reshape(b * t, num_steps, -1)  # [B*T, K, H]
     valid = scored_mask(loss_mask, num_steps, document_ids).reshape(b * t, num_steps)  # [N, K]
