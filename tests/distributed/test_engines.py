@@ -11,7 +11,12 @@ the single-process loss. Checked per engine (FSDP2, DeepSpeed ZeRO 1 and 2):
   * resume: saved after step 2, loaded into a fresh engine whose drafter has DIFFERENT initial
     weights, trained 2 more steps: equal to the uninterrupted run;
   * the unsharded fsdp2 checkpoint written at world 2 resumes in one process under "none";
-  * bf16 (FSDP2 mixed precision, DeepSpeed bf16): the first 2 steps close to the fp32 reference.
+  * bf16 (FSDP2 mixed precision, DeepSpeed bf16, "none" with fp32 masters): the first 2 steps
+    close to the fp32 reference;
+  * DeepSpeed bf16 accumulates and reduces micro-batch gradients in fp32 (gradients 1, 2^-10,
+    2^-10 sum to 1 + 2^-9; bf16 would drop the small ones), on both stages;
+  * a "none" bf16 checkpoint (fp32 masters) resumes under fsdp2 on 2 ranks, and fsdp2's under
+    "none" bf16, with the masters bitwise equal to the weights written.
 All engines run in ONE 2-rank launch (DeepSpeed's import and first initialize dominate).
 """
 
@@ -89,6 +94,7 @@ def train(engine, steps: range, rank: int = 0, world: int = 1) -> list[tuple[flo
     """(global loss, grad norm, lr) per step: what train_step does, with global denominators."""
     import torch.distributed as dist
 
+    from torchspec.train.loss import TeacherHead
     from torchspec.train.ttt import valid_counts
 
     out = []
@@ -99,7 +105,8 @@ def train(engine, steps: range, rank: int = 0, world: int = 1) -> list[tuple[flo
             dist.all_reduce(denominators)
         loss = torch.zeros(())
         for mb in mbs:
-            result = engine.unroll(mb["ids"], mb["mask"], mb["aux"], mb["logits"], denominators, TTT_STEPS, DECAY,
+            result = engine.unroll(mb["ids"], mb["mask"], mb["aux"], TeacherHead.from_logits(mb["logits"]),
+                                   denominators, TTT_STEPS, DECAY,
                                    attention_mask=mb["real"])  # keyword arguments reach ttt_unroll
             engine.backward(result.loss)
             loss += result.loss.detach()
@@ -118,10 +125,14 @@ def build(kind: str, zero_stage: int, seed: int = 0, precision: str = "fp32"):
                         zero_stage=zero_stage or 2)
 
 
-def _engines_worker(tmp: str) -> dict:
+def _engines_worker(tmp: str, none_bf16_ckpt: str) -> dict:
     from pathlib import Path
 
+    from deepspeed.utils import safe_get_full_grad
+
     from torchspec.distributed import barrier, init_distributed
+    from torchspec.train.engine import OptimConfig, build_engine
+    from torchspec.train.loss import TeacherHead
 
     info = init_distributed()
     torch.set_num_threads(1)
@@ -136,7 +147,8 @@ def _engines_worker(tmp: str) -> dict:
         with torch.no_grad():  # an eval forward first: must leave training unaffected
             mb = micro_batches(0, info.rank, WORLD)[0]
             engine.module.eval()
-            engine.unroll(mb["ids"], mb["mask"], mb["aux"], mb["logits"], torch.ones(TTT_STEPS), TTT_STEPS, DECAY)
+            engine.unroll(mb["ids"], mb["mask"], mb["aux"], TeacherHead.from_logits(mb["logits"]),
+                          torch.ones(TTT_STEPS), TTT_STEPS, DECAY)
             engine.module.train()
         records = train(engine, range(SAVE_AT), info.rank, WORLD)
         engine.save(ckpt)
@@ -150,6 +162,23 @@ def _engines_worker(tmp: str) -> dict:
                          "resumed": resumed.drafter_state_dict(), "ckpt": str(ckpt)}
     for kind, stage in CONFIGS:  # bf16 compute, fp32 master weights and gradient reduction
         results[f"{kind}{stage or ''}-bf16"] = train(build(kind, stage, precision="bf16"), range(2), info.rank, WORLD)
+    mb = micro_batches(0, 0, WORLD)[0]  # the same micro-batch on both ranks
+    teacher = TeacherHead.from_logits(mb["logits"])
+    for stage in (1, 2):  # DeepSpeed bf16: micro-batch gradients g, g/2^10, g/2^10 summed in fp32
+        for accum in (1, 3):
+            optim = OptimConfig(lr=1e-3, max_grad_norm=0.0, micro_batch_size=MICRO, grad_accum=accum)
+            engine = build_engine("deepspeed", tiny_drafter(0), optim, lr_multiplier, precision="bf16",
+                                  zero_stage=stage)
+            for scale in (1.0, 2.0**10, 2.0**10)[:accum]:  # denominators x 2^10: gradients / 2^10, exactly
+                result = engine.unroll(mb["ids"], mb["mask"], mb["aux"], teacher, torch.ones(TTT_STEPS) * scale,
+                                       TTT_STEPS, DECAY)
+                engine.backward(result.loss)
+            results[f"deepspeed{stage}-accum{accum}"] = {
+                n: safe_get_full_grad(p).float().clone() for n, p in engine.drafter.named_parameters() if p.requires_grad}
+            engine.step()
+    resumed = build("fsdp2", 0, seed=1)  # fp32 shards from the masters "none" bf16 wrote
+    resumed.load(none_bf16_ckpt)
+    results["fsdp2-from-none-bf16"] = resumed.drafter_state_dict()
     return results
 
 
@@ -163,9 +192,19 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
+def none_bf16(tmp_path_factory):
+    """A "none" bf16 engine after SAVE_AT steps, saved; (checkpoint dir, its fp32 masters)."""
+    engine = build("none", 0, precision="bf16")
+    train(engine, range(SAVE_AT))
+    ckpt = tmp_path_factory.mktemp("none_bf16")
+    engine.save(ckpt)
+    return str(ckpt), {n.removeprefix("drafter."): m.clone() for n, m in engine.masters.named_masters()}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, none_bf16):
     tmp = tmp_path_factory.mktemp("engines")
-    return launch(_engines_worker, WORLD, args=(str(tmp),), timeout_s=300)
+    return launch(_engines_worker, WORLD, args=(str(tmp), none_bf16[0]), timeout_s=300)
 
 
 def assert_weights_equal(got: dict, want: dict, tol: float, what: str) -> None:
@@ -192,6 +231,41 @@ def test_world2_bf16_close_to_fp32_reference(world2, reference, name):
     for (loss, norm, lr), (ref_loss, ref_norm, ref_lr) in zip(world2[0][f"{name}-bf16"], reference["records"]):
         assert loss == pytest.approx(ref_loss, rel=2e-2) and norm == pytest.approx(ref_norm, rel=5e-2), name
         assert lr == ref_lr
+
+
+def test_none_bf16_close_to_fp32_reference(reference):
+    records = train(build("none", 0, precision="bf16"), range(2))
+    for (loss, norm, lr), (ref_loss, ref_norm, ref_lr) in zip(records, reference["records"]):
+        assert loss == pytest.approx(ref_loss, rel=2e-2) and norm == pytest.approx(ref_norm, rel=5e-2)
+        assert lr == ref_lr
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_world2_deepspeed_bf16_accumulates_in_fp32(world2, stage):
+    """g + g/2^10 + g/2^10 = g (1 + 2^-9) exactly in fp32 (g is bf16: 8 + 9 significant bits fit);
+    summed in bf16 the small terms vanish (positive control on the same g)."""
+    single, three = world2[0][f"deepspeed{stage}-accum1"], world2[0][f"deepspeed{stage}-accum3"]
+    lost = 0
+    for name, g in single.items():
+        assert torch.equal(three[name], g * (1 + 2**-9)), name
+        g16 = g.bfloat16()
+        lost += int((g16 + g16 / 2**10 + g16 / 2**10 == g16).sum())
+    assert lost > 0.9 * sum(g.numel() for g in single.values())
+
+
+def test_none_bf16_and_fsdp2_checkpoints_cross(world2, none_bf16):
+    from torchspec.train.engine import build_engine
+
+    _, masters = none_bf16
+    got = world2[0]["fsdp2-from-none-bf16"]  # fsdp2 (fp32 shards, 2 ranks) resumed from "none" bf16
+    for name, master in masters.items():
+        assert torch.equal(got[name], master), name
+    engine = build_engine("none", tiny_drafter(1), optim_config(), lr_multiplier, precision="bf16")
+    engine.load(world2[0]["fsdp2"]["ckpt"])  # and "none" bf16 from fsdp2's checkpoint: its masters
+    written = torch.load(f"{world2[0]['fsdp2']['ckpt']}/engine.pt", weights_only=False)["model"]
+    for name, master in engine.masters.named_masters():
+        assert torch.equal(master, written[name.removeprefix("drafter.")]), name
+    train(engine, range(SAVE_AT, STEPS))  # and trains on
 
 
 @pytest.mark.parametrize("name", [f"{k}{s or ''}" for k, s in CONFIGS])
@@ -234,6 +308,10 @@ def test_deepspeed_config_merge_and_validation():
     assert cfg["zero_optimization"] == {"stage": 2, "overlap_comm": False}
     assert cfg["train_micro_batch_size_per_gpu"] == MICRO and cfg["gradient_clipping"] == 0.5
     assert cfg["bf16"] == {"enabled": True} and cfg["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert cfg["communication_data_type"] == "fp32"
+    assert "communication_data_type" not in deepspeed_config(optim_config(), "fp32", 2, None)
+    with pytest.raises(ValueError, match=r"communication_data_type='bf16' disagrees with train.precision='bf16'"):
+        deepspeed_config(optim_config(), "bf16", 2, {"communication_data_type": "bf16"})
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4 disagrees with train.grad_accum=2"):
         deepspeed_config(optim_config(), "fp32", 2, {"gradient_accumulation_steps": 4})
     with pytest.raises(ValueError, match=r"zero_optimization.stage=3 disagrees with zero_stage=2"):

@@ -2,7 +2,7 @@
 
     engine = build_engine("fsdp2", drafter, OptimConfig(lr=1e-4, grad_accum=2), lr_multiplier, mesh)
     for mb in micro_batches:                      # denominators: GLOBAL valid counts (all-reduced)
-        result = engine.unroll(ids, loss_mask, aux_states, target_logits, denominators, num_steps, decay)
+        result = engine.unroll(ids, loss_mask, aux_states, teacher, denominators, num_steps, decay)
         engine.backward(result.loss)
     grad_norm = engine.step()                     # clip -> optimizer -> LR schedule -> zero_grad
 
@@ -20,10 +20,18 @@ token losses divided by the GLOBAL valid-token count (all ranks, all micro-batch
 right gradient is the SUM of the ranks' gradients. DeepSpeed and FSDP2 AVERAGE over the dp
 ranks, so ``backward`` multiplies the loss by the dp world size; nothing else rescales.
 
+**Precision** (``torchspec/train/optim.py`` has the whole story). bf16 = bf16 parameters, fp32
+master weights in the optimizer, fused AdamW on CUDA: "none" holds the module in bf16 and steps
+fp32 copies (``MasterWeights``: micro-batch gradients accumulate in fp32); "fsdp2" keeps fp32
+sharded parameters and computes in bf16 through ``MixedPrecisionPolicy``; "deepspeed" uses its
+bf16 mode. No engine autocasts: ``unroll`` casts the captured target states to bf16 (a no-op on
+the GPU, where the target produces bf16) and the parameters already are bf16 when the forward runs.
+
 **Resume state.** ``save(dir)`` / ``load(dir)`` are collective (every rank calls them with the
 same directory). "none" and "fsdp2" write one unsharded file, ``engine.pt`` = ``state_dict()``:
 trainable drafter weights and AdamW state keyed by the drafter's parameter names, and the
-scheduler. Being unsharded, it loads at any world size and into either of the two kinds.
+scheduler; the weights are fp32 at either precision (under bf16, the masters). Being unsharded,
+it loads at any world size and precision into either of the two kinds.
 DeepSpeed writes its own per-rank files (see ``engine_deepspeed.py``).
 """
 
@@ -46,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from torchspec.train.optim import MasterWeights, build_adamw, with_implementation
 from torchspec.train.ttt import TTTResult, ttt_unroll
 
 ENGINES = ("none", "deepspeed", "fsdp2")
@@ -73,10 +82,10 @@ class TTTModel(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, input_ids, loss_mask, aux_hidden_states, target_logits, denominators,
+    def forward(self, input_ids, loss_mask, aux_hidden_states, teacher, denominators,
                 num_steps: int, decay: float, **unroll_kwargs) -> dict[str, Any]:
         # A dict, not the TTTResult dataclass: FSDP2 finds the loss (to hook backward) by pytree.
-        r = ttt_unroll(self.drafter, input_ids, loss_mask, aux_hidden_states, target_logits, num_steps,
+        r = ttt_unroll(self.drafter, input_ids, loss_mask, aux_hidden_states, teacher, num_steps,
                        decay, denominators, **unroll_kwargs)
         return {f.name: getattr(r, f.name) for f in fields(r)}
 
@@ -117,11 +126,13 @@ class Engine:
     """The "none" engine, and the base the others share.
 
     ``module``: the `TTTModel` to call (an ``nn.Module``; ``module.train()/eval()`` as usual).
-    ``drafter``: the drafter inside it (sharded under FSDP2: export through
+    ``drafter``: the drafter inside it (sharded under FSDP2; bf16 under "none" bf16: export through
     ``drafter_state_dict``). The optimizer and scheduler are built here, after any sharding.
+    ``masters``: the fp32 master weights ("none" at bf16 only; None otherwise).
     """
 
     kind = "none"
+    masters: MasterWeights | None = None
 
     def __init__(self, model: TTTModel, optim: OptimConfig, scheduler_fn: Callable[[int], float],
                  precision: str, dp_size: int = 1):
@@ -130,19 +141,26 @@ class Engine:
         self.precision = precision
         self.dp_size = dp_size
         self.max_grad_norm = optim.max_grad_norm
-        self.optimizer = torch.optim.AdamW(trainable(model), lr=optim.lr, weight_decay=optim.weight_decay,
-                                           betas=tuple(optim.betas))
+        self.optimizer = self._build_optimizer(optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, scheduler_fn)
 
+    def _build_optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
+        """bf16: the module becomes bf16 and AdamW steps its fp32 masters; fp32: AdamW on the module."""
+        if self.precision == "bf16":
+            self.masters = MasterWeights(self.module, optim.lr, optim.betas, optim.weight_decay)
+            return self.masters.optimizer
+        return build_adamw(trainable(self.module), optim.lr, optim.betas, optim.weight_decay)
+
     # --- the training step -------------------------------------------------------------------
-    def unroll(self, input_ids, loss_mask, aux_hidden_states, target_logits, denominators,
+    def unroll(self, input_ids, loss_mask, aux_hidden_states, teacher, denominators,
                num_steps: int, decay: float, **unroll_kwargs) -> TTTResult:
         """One micro-batch's ``ttt_unroll`` (same arguments; keyword ones such as attention_mask,
-        moe_aux_coef, lowrank_coef pass through). Autocasts to bf16 when precision is bf16."""
-        amp = torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
-        with amp:
-            out = self.module(input_ids, loss_mask, aux_hidden_states, target_logits,
-                              denominators.to(input_ids.device), num_steps, decay, **unroll_kwargs)
+        moe_aux_coef, lowrank_coef pass through). bf16: the captured states are cast to bf16 (no-op
+        when the target produced bf16); the teacher passes as is (the fused loss casts its operands)."""
+        if self.precision == "bf16":
+            aux_hidden_states = [a.to(torch.bfloat16) for a in aux_hidden_states]
+        out = self.module(input_ids, loss_mask, aux_hidden_states, teacher,
+                          denominators.to(input_ids.device), num_steps, decay, **unroll_kwargs)
         return TTTResult(**out)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -151,14 +169,18 @@ class Engine:
 
     def step(self) -> torch.Tensor:
         """Clip, optimizer step, scheduler step, zero grads. Returns the pre-clip global grad norm
-        (a device tensor: no host sync)."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        (a device tensor: no host sync). Clipping and AdamW read fp32 gradients: the masters' under
+        "none" bf16, the sharded parameters' under FSDP2 (reduce_dtype fp32)."""
+        stepped = self.masters.masters if self.masters is not None else self.module.parameters()
+        params = [p for p in stepped if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(norm, DTensor):  # FSDP2: per-shard norms -> the global norm
             norm = norm.full_tensor()
         if self.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
         self.optimizer.step()
+        if self.masters is not None:
+            self.masters.copy_to_model()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
@@ -171,11 +193,14 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         """Full (unsharded) resume state on rank 0 (other ranks get ``{}``); collective.
 
-        ``model``: trainable drafter weights (frozen ones come back from the target);
-        ``optimizer``: AdamW state keyed by parameter name; ``scheduler``: LambdaLR state.
+        ``model``: trainable drafter weights, fp32 (the masters under bf16; frozen ones come back
+        from the target); ``optimizer``: AdamW state keyed by parameter name; ``scheduler``: LambdaLR state.
         """
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=options)
+        if self.masters is not None:
+            model_sd, optim_sd = self.masters.state_dict()
+        else:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+            model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=options)
         if not is_rank0():
             return {}
         model_sd, optim_sd = rekey(model_sd, optim_sd, lambda k: k.removeprefix(PREFIX))
@@ -193,6 +218,7 @@ class Engine:
                     f"{sorted(expected - got)[:8]}, unexpected {sorted(got - expected)[:8]}. Resume with the "
                     f"drafter config and engine it was written with, or start a new output_dir.")
             model_sd, optim_sd = rekey(state["model"], state["optimizer"], lambda k: PREFIX + k)
+            optim_sd = with_implementation(optim_sd, self.optimizer)  # written fused (GPU) or foreach
             sched = state["scheduler"]
         else:
             model_sd, optim_sd, sched = {}, {}, None
@@ -204,6 +230,9 @@ class Engine:
         self.scheduler.load_state_dict(sched)
 
     def _set_state(self, model_sd: dict, optim_sd: dict) -> None:
+        if self.masters is not None:  # one process ("none"): nothing to broadcast
+            self.masters.load_state_dict(model_sd, optim_sd)
+            return
         # strict=False: frozen weights are not in the checkpoint (the key check above is strict).
         # Two calls, not set_state_dict: that one skips the model on ranks passing an empty dict.
         options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=self.dp_size > 1)
@@ -227,17 +256,27 @@ class Engine:
         self.load_state_dict(state)
 
     def drafter_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 drafter weights, frozen ones included, on rank 0 (for export); collective."""
-        return {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()}
+        """Full fp32 drafter weights, frozen ones included, on rank 0 (for export); collective.
+        Under "none" bf16 the trainable ones are the fp32 masters (never the bf16 copies); the
+        frozen ones (the target's embedding, a frozen head) are their bf16 values, upcast."""
+        out = {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()}
+        if self.masters is None:
+            return out
+        out = {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+        out.update({n.removeprefix(PREFIX): m.detach().cpu().clone() for n, m in self.masters.named_masters()})
+        return out
 
 
 class FSDP2Engine(Engine):
     """``fully_shard`` over the dp mesh: parameters, gradients and AdamW state sharded on dim 0.
 
     One FSDP group (the root `TTTModel`): the single decoder layer runs K times per unroll, so
-    per-layer groups would all-gather it K times. bf16: params cast to bf16 for compute, gradients
-    reduced in fp32, fp32 master weights and optimizer state; inputs are NOT cast (the target
-    distribution stays fp32; ``unroll`` autocasts).
+    per-layer groups would all-gather it K times. bf16 (``MixedPrecisionPolicy``) IS fp32 masters
+    with bf16 compute: the sharded parameters, their gradients and the AdamW state stay fp32 (the
+    masters), each forward all-gathers bf16 copies, and gradients are reduce-scattered in fp32 and
+    accumulated over micro-batches into the fp32 sharded gradients. Forward inputs are not cast
+    by FSDP (``cast_forward_inputs=False``: the teacher keeps its dtype); ``unroll`` casts the
+    captured states. AdamW is fused on CUDA (it steps the DTensor shards).
     """
 
     kind = "fsdp2"
@@ -257,6 +296,10 @@ class FSDP2Engine(Engine):
         fully_shard(model, mesh=mesh, mp_policy=mp if precision == "bf16" else MixedPrecisionPolicy())
         super().__init__(model, optim, scheduler_fn, precision, dp_size=mesh.size())
 
+    def _build_optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
+        # The fp32 shards are the masters at either precision (the policy casts for compute).
+        return build_adamw(trainable(self.module), optim.lr, optim.betas, optim.weight_decay)
+
     def drafter_state_dict(self) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, _ = get_state_dict(self.module, [], options=options)
@@ -266,7 +309,8 @@ class FSDP2Engine(Engine):
 def build_engine(kind: str, model: nn.Module, optim: OptimConfig, scheduler_fn: Callable[[int], float],
                  mesh=None, precision: str = "fp32", ds_config: dict | None = None,
                  zero_stage: int = 2) -> Engine:
-    """Wrap ``model`` (the drafter, fp32, identical on every rank) in a training engine.
+    """Wrap ``model`` (the drafter, fp32, identical on every rank) in a training engine. At bf16
+    the "none" engine turns ``model``'s parameters into bf16 in place (fp32 masters kept aside).
 
     mesh: the 1-D data-parallel ``DeviceMesh`` (the drafter is data-parallel over the WHOLE
     world; ``mesh=None``: the world). precision: "fp32" | "bf16" (already resolved, not "auto").

@@ -11,6 +11,17 @@ Accumulation: DeepSpeed counts micro-steps itself; ``backward`` advances it on e
 micro-batch but the last, and ``step`` (the boundary) insists on exactly ``grad_accum``
 micro-batches. ``scale_wrt_gas=False``: our loss is already normalised over the whole step.
 
+bf16 = bf16 parameters, fp32 masters, fp32 gradient accumulation and reduction, as in the other
+engines (DeepSpeed 0.19.8): DeepSpeed casts the module's PARAMETERS to bf16 and keeps floating
+buffers fp32 (RoPE's inv_freq stays exact). ZeRO-1 with ``data_types.grad_accum_dtype=fp32`` runs
+its ``BF16_Optimizer`` (fp32 master partitions and fp32 gradient buffers); ZeRO-2 its
+``DeepSpeedZeroOptimizer`` with fp32 master partitions. Both step OUR AdamW (fused on CUDA) on the
+fp32 masters. ``communication_data_type=fp32`` is set too: without it DeepSpeed reduces gradients
+in the parameter dtype, and ZeRO-1 rounds its fp32-accumulated gradients to bf16 in the boundary
+all-reduce (measured with one rank: micro-batch gradients 1, 2^-10, 2^-10 stepped as 1.0 instead
+of 1 + 2^-9; fp32 with this setting, on either stage), which undoes the fp32 accumulation. FSDP2's
+``reduce_dtype=fp32`` is the same choice; it doubles the gradient bytes on the wire.
+
 Resume: DeepSpeed's own ``save_checkpoint`` / ``load_checkpoint`` (every rank writes its ZeRO
 partition; fp32 master weights come back from the optimizer partitions, so resume is exact),
 plus ``engine.json`` recording the stage and dp world size. A checkpoint only resumes with the
@@ -35,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from torchspec.train.engine import Engine, OptimConfig, TTTModel, dp_world_size, is_rank0, trainable
+from torchspec.train.optim import build_adamw
 
 TAG = "deepspeed"  # the sub-directory DeepSpeed writes into
 META_FILE = "engine.json"
@@ -61,9 +73,10 @@ def deepspeed_config(optim: OptimConfig, precision: str, zero_stage: int, user: 
         ("bf16", "enabled"): (precision == "bf16", f"train.precision={precision!r}"),
         ("zero_optimization", "stage"): (zero_stage, f"zero_stage={zero_stage}"),
     }
+    if precision == "bf16":  # fp32 gradient accumulation and reduction (module docstring)
+        ours[("data_types", "grad_accum_dtype")] = ("fp32", "train.precision='bf16' (fp32 gradient accumulation)")
+        ours[("communication_data_type",)] = ("fp32", "train.precision='bf16' (fp32 gradient reduction)")
     config: dict[str, Any] = {"steps_per_print": 2**62, "wall_clock_breakdown": False}  # we log ourselves
-    if precision == "bf16":
-        config["data_types"] = {"grad_accum_dtype": "fp32"}
     for path, (value, _) in ours.items():
         node = config
         for key in path[:-1]:
@@ -116,8 +129,7 @@ class DeepSpeedEngine(Engine):
                              f"ranks), but the mesh given has {world}; pass mesh=None or the flattened world mesh.")
         config = deepspeed_config(optim, precision, zero_stage, user_config)
         _skip_cpu_shm_comm_build()
-        optimizer = torch.optim.AdamW(trainable(model), lr=optim.lr, weight_decay=optim.weight_decay,
-                                      betas=tuple(optim.betas))
+        optimizer = build_adamw(trainable(model), optim.lr, optim.betas, optim.weight_decay)
         self.ds, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, scheduler_fn))
