@@ -29,7 +29,7 @@ train)
   ls -la "$W"
   STEPS=${STEPS:-4000} LIMIT=${LIMIT:-420}
   timeout "$LIMIT" python3 recipes/train.py name=smol train.output_dir="$W/run" target.path="$W/smollm2.gguf" \
-    target.cache_dir="$W/cache" drafter=eagle4 data=jsonl data.path="$W/sharegpt.jsonl" data.max_length=2048 \
+    target.cache_dir="$W/cache" drafter=eagle4 data=jsonl data.path="$W/sharegpt.jsonl" data.max_length=2048 data.pack=true \
     data.eval_size=64 train=gpu train.micro_batch_size=8 train.grad_accum=1 train.lr=5e-4 train.warmup_steps=50 \
     train.max_steps="$STEPS" train.log_every=25 train.save_every=100 train.eval_every=500 train.report_to=none \
     2>&1 | grep -v "it/s\]" | tee "$OUT/train.log"

@@ -9,7 +9,7 @@ import torch
 
 from torchspec.train.loss import TeacherHead, addmm_f32_, fused_ttt_head_loss
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
