@@ -238,7 +238,7 @@ def train(raw: DictConfig) -> None:
             stats.all_reduce()
             metrics = stats.summary("train")
             metrics.update({"train/lr": engine.lr, "train/grad_norm": float(grad_norm),
-                            "train/tokens_per_s": stats.tokens * info.world_size / (time.time() - tick),
+                            "train/tokens_per_s": float(stats.tokens) * info.world_size / (time.time() - tick),
                             "train/epoch": sampler.epoch})
             logger.log(step, metrics)
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc0=f"{metrics['train/acc_0']:.2f}",

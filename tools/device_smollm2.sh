@@ -25,7 +25,7 @@ stage)
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_attention.py -m gpu 2>&1 | tee "$OUT/gpu_tests.log"
   ;;
 train)
-  cat "$W/smol.part1" .carry2/smol.part2 > "$W/smollm2.gguf" && rm "$W/smol.part1"
+  [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" .carry2/smol.part2 > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
   ls -la "$W"
   STEPS=${STEPS:-4000} LIMIT=${LIMIT:-420}
   timeout "$LIMIT" python3 recipes/train.py name=smol train.output_dir="$W/run" target.path="$W/smollm2.gguf" \

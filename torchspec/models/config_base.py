@@ -64,6 +64,12 @@ class StrictDrafterConfig(PretrainedConfig):
             setattr(self, name, value)
         self.validate()
 
+    def to_diff_dict(self) -> dict[str, Any]:
+        """Every key, not a diff against defaults: config.json must hold every architecture flag
+        (contract 6), and some transformers versions build the diff from ``type(self)()``, which a
+        strict config without its required sizes refuses."""
+        return self.to_dict()
+
     def validate(self) -> None:
         """Checks every drafter shares; subclasses extend it (call super) for their own flags."""
         name = type(self).__name__

@@ -2,7 +2,7 @@
 plot of loss and held-out acceptance length written at the end of a run.
 
 Keys: ``train/loss``, ``train/acc_k``, ``train/kl_k``, ``train/acceptance_length``, ``train/lr``,
-``train/grad_norm``, ``train/tokens_per_s`` and the same ``eval/...`` keys on the held-out set.
+``train/grad_norm``, ``train/tokens_per_s`` (real, non-padding tokens per second over all ranks) and the same ``eval/...`` keys on the held-out set.
 ``acceptance_length = 1 + sum_k prod_{i<=k} acc_k``: the 1 is the bonus token every verification
 round yields, so an untrained drafter scores ~1.0 and a perfect one ``ttt_steps + 1``.
 """

@@ -40,11 +40,11 @@ class StepStats:
     kl_sum: torch.Tensor | None = None
     correct: torch.Tensor | None = None
     valid: torch.Tensor | None = None
-    tokens: int = 0
+    tokens: torch.Tensor | int = 0  # real (non-padding) tokens, on the device until a log step
     steps: int = 0
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def add(self, result: TTTResult, tokens: int) -> None:
+    def add(self, result: TTTResult, tokens: torch.Tensor | int) -> None:
         def acc(old, new):
             return new.detach().clone() if old is None else old + new.detach()
 
@@ -54,7 +54,7 @@ class StepStats:
         self.valid = acc(self.valid, result.valid)
         for key, value in result.aux.items():
             self.extra[key] = acc(self.extra.get(key), value.double())
-        self.tokens += tokens
+        self.tokens = self.tokens + tokens
 
     def all_reduce(self) -> None:
         """Sum over every rank: each holds different sequences (loss terms are already divided by
@@ -133,7 +133,7 @@ def train_step(target, engine, micro_batches: list[dict[str, torch.Tensor]], opt
     for mb in micro_batches:
         result = run_micro_batch(target, engine, mb, opts, denominators, tp_group)
         engine.backward(result.loss)
-        stats.add(result, tokens=int(mb["attention_mask"].numel()))
+        stats.add(result, tokens=mb["attention_mask"].sum())
     grad_norm = engine.step()
     stats.steps += 1
     return grad_norm
@@ -148,7 +148,7 @@ def evaluate(target, engine, batches: list[dict[str, torch.Tensor]], opts: TTTOp
     denominators = global_denominators(batches, opts.num_steps)
     for b in batches:
         stats.add(run_micro_batch(target, engine, b, opts, denominators, tp_group),
-                  tokens=int(b["attention_mask"].numel()))
+                  tokens=b["attention_mask"].sum())
     stats.steps = 1
     stats.all_reduce()
     engine.module.train()
