@@ -89,7 +89,7 @@ SHAPES: dict[str, dict] = {
                  vocab_size=512, num_hidden_layers=4, rope_theta=1e4, draft_vocab_size=128,
                  lm_head_rank=16, lm_head_topk=16),  # rank 128 needs H >= 128
 }
-ROW_KEY = ("shape", "drafter", "head", "seq", "batch", "ttt_steps", "precision", "device")
+ROW_KEY = ("shape", "drafter", "head", "seq", "batch", "ttt_steps", "precision", "device", "compile")
 
 
 def git_commit() -> str:
@@ -234,7 +234,8 @@ def run_case(args, shape_name: str, drafter_name: str, head: str, seq: int, devi
         attn_backend = "flex" if cuda else "chunked"
     flops, n_step = analytic_flops(drafter, seq, TTT_STEPS)
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    engine = build_engine("none", drafter, OptimConfig(lr=1e-5, max_grad_norm=0.5), lambda s: 1.0, precision=precision)
+    engine = build_engine("none", drafter, OptimConfig(lr=1e-5, max_grad_norm=0.5), lambda s: 1.0, precision=precision,
+                          compile_layer=args.compile)
     x = make_inputs(shape, seq, device, dtype, head_w)
     head_loss = HeadLossConfig(chunk_gib=args.loss_chunk_gib)
 
@@ -255,7 +256,7 @@ def run_case(args, shape_name: str, drafter_name: str, head: str, seq: int, devi
            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "flops": flops, "n_step": n_step, "trainable_params": trainable,
-           "attn_backend": attn_backend,
+           "attn_backend": attn_backend, "compile": args.compile, "loss_chunk_gib": args.loss_chunk_gib,
            "warmup": args.warmup, "iters": args.iters, "git": args.git or git_commit(), "torch": torch.__version__}
     if args.profile:
         row.update(profile_steps(step, args.profile_steps, cuda))
@@ -306,6 +307,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="auto: bf16 parameters + fp32 masters on CUDA, fp32 on the CPU")
+    p.add_argument("--compile", action="store_true", help="torch.compile the drafter's decoder layer")
     p.add_argument("--loss-chunk-gib", type=float, default=HeadLossConfig().chunk_gib)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--git", default=None, help="commit to record (default: git rev-parse HEAD of this tree)")

@@ -306,9 +306,16 @@ class FSDP2Engine(Engine):
         return {k.removeprefix(PREFIX): v for k, v in model_sd.items()}
 
 
+def apply_compile(drafter: nn.Module) -> None:
+    """``torch.compile`` the drafter's decoder layer (norms, projections, MLP fused by Inductor;
+    flex attention is compiled either way). Applied before sharding (torchtitan's order). The layer
+    runs once per TTT step with a growing key list, so it compiles once per step count k."""
+    drafter.layer.compile()
+
+
 def build_engine(kind: str, model: nn.Module, optim: OptimConfig, scheduler_fn: Callable[[int], float],
                  mesh=None, precision: str = "fp32", ds_config: dict | None = None,
-                 zero_stage: int = 2) -> Engine:
+                 zero_stage: int = 2, compile_layer: bool = False) -> Engine:
     """Wrap ``model`` (the drafter, fp32, identical on every rank) in a training engine. At bf16
     the "none" engine turns ``model``'s parameters into bf16 in place (fp32 masters kept aside).
 
@@ -322,6 +329,8 @@ def build_engine(kind: str, model: nn.Module, optim: OptimConfig, scheduler_fn: 
         raise ValueError(f"engine precision {precision!r} is not one of {list(PRECISIONS)} (resolve 'auto' first).")
     if kind != "deepspeed" and ds_config:
         raise ValueError(f"a DeepSpeed config was given but the engine is {kind!r}; drop it or use 'deepspeed'.")
+    if compile_layer:
+        apply_compile(model)
     wrapped = TTTModel(model)
     world = dp_world_size(mesh)
     if kind == "none":

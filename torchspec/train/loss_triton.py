@@ -1,15 +1,19 @@
-"""The fused head loss's row pass as one Triton kernel (CUDA); ``loss_rows.row_pass_torch`` is its
+"""The fused head loss's row pass as Triton kernels (CUDA); ``loss_rows.row_pass_torch`` is its
 reference and states the math.
 
-One program per position p: a [KP, BLOCK_V] tile holds the K student rows of p (KP = K rounded up
-to a power of two) and one teacher row, so the teacher row is read once for all K steps.
+A program owns one position p and one slice of the vocabulary (a "split"): a [KP, BLOCK] tile holds
+the K student rows of p (KP = K rounded up to a power of two) and one teacher row, so the teacher
+row is read once for all K steps. Splitting V gives P * S programs instead of P (a chunk of ~300
+positions would leave most of the GPU's 132 SMs waiting on a tail of long programs).
 
-    pass 1 over V: online max / sum-exp of zt, z (and s); running argmax of zt and z
-    pass 2 over V: p = exp(zt - lse_t), q = exp(z - lse_z): KL sums, dz = w (q - p) stored in the
-                   output dtype; scorer: q_s, its KL, ds = c w (q_s - p_s), and the rank counts
-                   #{v : s_v > s_a} for a = the drafter argmax and the teacher argmax
+    stats kernel  (grid P x S): per split, running max / sum-exp of zt, z (and s), argmax of zt and z
+    combine       (torch, [P, K, S] tensors): log-sum-exps and argmaxes over the splits
+    grad kernel   (grid P x S): p = exp(zt - lse_t), q = exp(z - lse_z): KL partial sums,
+                  dz = w (q - p) stored in the output dtype; scorer: q_s, its KL, ds = c w (q_s - p_s),
+                  and the rank counts #{v : s_v > s_a} for a = the drafter / teacher argmax
+    combine       (torch): sums over the splits
 
-Bytes per position and pass: V * (4 + K * 4 [+ K * 4]) read; pass 2 writes V * K * 2 [* 2].
+Bytes per position: V * (4 + K * 4 [+ K * 4]) read twice; V * K * 2 [* 2] written.
 """
 
 from __future__ import annotations
@@ -22,21 +26,20 @@ from torch import Tensor
 from torchspec.train.loss_rows import RowOutputs
 
 BLOCK_V = 1024
+TARGET_PROGRAMS = 4096  # enough programs per launch to fill the SMs several times over
 
 
 @triton.jit
-def _head_rows_kernel(z_ptr, zt_ptr, s_ptr, w_ptr, dz_ptr, ds_ptr, kl_ptr, am_ptr, tam_ptr, kls_ptr,
-                      fhit_ptr, thit_ptr, V, K, topk, coef,
-                      HAS_S: tl.constexpr, S_FULL: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+def _stats_kernel(z_ptr, zt_ptr, s_ptr, mt_ptr, lt_ptr, bt_ptr, bti_ptr, mz_ptr, lz_ptr, bz_ptr, bzi_ptr,
+                  ms_ptr, ls_ptr, V, K, SPLIT, S,
+                  HAS_S: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
     ks = tl.arange(0, KP)
     kmask = ks < K
-    rows = pid * K + ks  # [KP] student rows
-    row_off = rows[:, None] * V  # [KP, 1]
+    row_off = (pid * K + ks)[:, None] * V  # [KP, 1]
     t_off = pid * V
     neg_inf = float("-inf")
-
-    # ---- pass 1: log-sum-exp and argmax ---------------------------------------------------------
     m_t = tl.full((1,), neg_inf, tl.float32)  # the teacher row is a [1, BLOCK] tile
     l_t = tl.zeros((1,), tl.float32)
     best_t = tl.full((1,), neg_inf, tl.float32)
@@ -47,9 +50,11 @@ def _head_rows_kernel(z_ptr, zt_ptr, s_ptr, w_ptr, dz_ptr, ds_ptr, kl_ptr, am_pt
     best_zi = tl.zeros((KP,), tl.int64)
     m_s = tl.full((KP,), neg_inf, tl.float32)
     l_s = tl.zeros((KP,), tl.float32)
-    for v0 in range(0, V, BLOCK):
+    lo = j * SPLIT
+    hi = tl.minimum(lo + SPLIT, V)
+    for v0 in range(lo, hi, BLOCK):
         offs = v0 + tl.arange(0, BLOCK)
-        vmask = offs < V
+        vmask = offs < hi
         m2 = kmask[:, None] & vmask[None, :]
         zt = tl.load(zt_ptr + t_off + offs[None, :], mask=vmask[None, :], other=neg_inf)  # [1, BLOCK]
         bm = tl.max(zt, 1)
@@ -60,7 +65,6 @@ def _head_rows_kernel(z_ptr, zt_ptr, s_ptr, w_ptr, dz_ptr, ds_ptr, kl_ptr, am_pt
         new_t = tl.maximum(m_t, bm)
         l_t = l_t * tl.exp(m_t - new_t) + tl.sum(tl.exp(zt - new_t[:, None]), 1)
         m_t = new_t
-
         z = tl.load(z_ptr + row_off + offs[None, :], mask=m2, other=neg_inf)
         z = tl.where(kmask[:, None], z, 0.0)  # padding rows stay finite
         zm = tl.max(z, 1)
@@ -77,22 +81,48 @@ def _head_rows_kernel(z_ptr, zt_ptr, s_ptr, w_ptr, dz_ptr, ds_ptr, kl_ptr, am_pt
             new_s = tl.maximum(m_s, tl.max(s, 1))
             l_s = l_s * tl.exp(m_s - new_s) + tl.sum(tl.exp(s - new_s[:, None]), 1)
             m_s = new_s
-    lse_t = m_t + tl.log(l_t)
-    lse_z = m_z + tl.log(l_z)
-    lse_s = m_s + tl.log(l_s)
-    w = tl.load(w_ptr + rows, mask=kmask, other=0.0)  # [KP]
+    one = tl.arange(0, 1)
+    tl.store(mt_ptr + pid * S + j + one, m_t)
+    tl.store(lt_ptr + pid * S + j + one, l_t)
+    tl.store(bt_ptr + pid * S + j + one, best_t)
+    tl.store(bti_ptr + pid * S + j + one, best_ti)
+    out = (pid * K + ks) * S + j  # [P, K, S] layout
+    tl.store(mz_ptr + out, m_z, mask=kmask)
+    tl.store(lz_ptr + out, l_z, mask=kmask)
+    tl.store(bz_ptr + out, best_z, mask=kmask)
+    tl.store(bzi_ptr + out, best_zi, mask=kmask)
+    if HAS_S:
+        tl.store(ms_ptr + out, m_s, mask=kmask)
+        tl.store(ls_ptr + out, l_s, mask=kmask)
 
-    # ---- pass 2: KL and logit gradients ---------------------------------------------------------
+
+@triton.jit
+def _grad_kernel(z_ptr, zt_ptr, s_ptr, w_ptr, lse_t_ptr, lse_z_ptr, lse_s_ptr, sf_ptr, st_ptr, dz_ptr, ds_ptr,
+                 kl_ptr, kls_ptr, cf_ptr, ct_ptr, V, K, SPLIT, S, coef,
+                 HAS_S: tl.constexpr, S_FULL: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    rows = pid * K + ks
+    row_off = rows[:, None] * V
+    t_off = pid * V
+    lse_t = tl.load(lse_t_ptr + pid + tl.arange(0, 1))  # [1]
+    lse_z = tl.load(lse_z_ptr + rows, mask=kmask, other=0.0)
+    w = tl.load(w_ptr + rows, mask=kmask, other=0.0)
     kl = tl.zeros((KP,), tl.float32)
     kl_s = tl.zeros((KP,), tl.float32)
     cnt_f = tl.zeros((KP,), tl.int32)
     cnt_t = tl.zeros((KP,), tl.int32)
     if HAS_S:
-        s_full = tl.load(s_ptr + rows * V + best_zi, mask=kmask, other=0.0)
-        s_tgt = tl.load(s_ptr + rows * V + best_ti, mask=kmask, other=0.0)
-    for v0 in range(0, V, BLOCK):
+        lse_s = tl.load(lse_s_ptr + rows, mask=kmask, other=0.0)
+        s_full = tl.load(sf_ptr + rows, mask=kmask, other=0.0)
+        s_tgt = tl.load(st_ptr + rows, mask=kmask, other=0.0)
+    lo = j * SPLIT
+    hi = tl.minimum(lo + SPLIT, V)
+    for v0 in range(lo, hi, BLOCK):
         offs = v0 + tl.arange(0, BLOCK)
-        vmask = offs < V
+        vmask = offs < hi
         m2 = kmask[:, None] & vmask[None, :]
         zt = tl.load(zt_ptr + t_off + offs[None, :], mask=vmask[None, :], other=0.0)
         logp = zt - lse_t[:, None]  # [1, BLOCK]
@@ -118,34 +148,63 @@ def _head_rows_kernel(z_ptr, zt_ptr, s_ptr, w_ptr, dz_ptr, ds_ptr, kl_ptr, am_pt
             tl.store(ds_ptr + row_off + offs[None, :], ds.to(ds_ptr.dtype.element_ty), mask=m2)
             cnt_f += tl.sum((m2 & (s > s_full[:, None])).to(tl.int32), 1)
             cnt_t += tl.sum((m2 & (s > s_tgt[:, None])).to(tl.int32), 1)
-    tl.store(kl_ptr + rows, kl, mask=kmask)
-    tl.store(am_ptr + rows, best_zi, mask=kmask)
-    tl.store(tam_ptr + pid + tl.arange(0, 1), best_ti)
+    out = rows * S + j
+    tl.store(kl_ptr + out, kl, mask=kmask)
     if HAS_S:
-        tl.store(kls_ptr + rows, kl_s, mask=kmask)
-        tl.store(fhit_ptr + rows, (cnt_f < topk).to(tl.int8), mask=kmask)
-        tl.store(thit_ptr + rows, (cnt_t < topk).to(tl.int8), mask=kmask)
+        tl.store(kls_ptr + out, kl_s, mask=kmask)
+        tl.store(cf_ptr + out, cnt_f, mask=kmask)
+        tl.store(ct_ptr + out, cnt_t, mask=kmask)
+
+
+def _lse(m: Tensor, l: Tensor) -> Tensor:
+    """Combine per-split (max, sum-exp) [..., S] into log-sum-exp [...]."""
+    top = m.max(-1).values
+    return top + torch.log((l * torch.exp(m - top[..., None])).sum(-1))
+
+
+def _argmax(best: Tensor, idx: Tensor) -> Tensor:
+    """Per-split (max value, its first index) [..., S] -> the global first argmax [...]."""
+    return idx.gather(-1, best.argmax(-1, keepdim=True)).squeeze(-1)  # first maximal split = lowest ids
 
 
 def row_pass_triton(z: Tensor, zt: Tensor, s: Tensor | None, w: Tensor, k: int, topk: int, coef: float,
-                    scorer_full: bool, out_dtype: torch.dtype, outs: RowOutputs, rows: slice
-                    ) -> tuple[Tensor, Tensor | None]:
+                    scorer_full: bool, out_dtype: torch.dtype, outs: RowOutputs, rows: slice,
+                    splits: int | None = None) -> tuple[Tensor, Tensor | None]:
     """Same contract as ``loss_rows.row_pass_torch`` (CUDA tensors, contiguous)."""
     p_n, v = zt.shape
     assert z.is_contiguous() and zt.is_contiguous() and (s is None or s.is_contiguous())
-    dz = torch.empty(p_n * k, v, dtype=out_dtype, device=z.device)
-    ds = torch.empty_like(dz) if s is not None else None
-    kl = torch.empty(p_n, k, dtype=torch.float32, device=z.device)
-    am = torch.empty(p_n, k, dtype=torch.long, device=z.device)
-    tam = torch.empty(p_n, dtype=torch.long, device=z.device)
-    kls = torch.empty_like(kl) if s is not None else kl
-    fhit = torch.empty(p_n, k, dtype=torch.int8, device=z.device) if s is not None else am
-    thit = torch.empty_like(fhit) if s is not None else am
-    _head_rows_kernel[(p_n,)](
-        z, zt, s if s is not None else z, w.contiguous(), dz, ds if ds is not None else dz, kl, am, tam, kls,
-        fhit, thit, v, k, topk, coef, HAS_S=s is not None, S_FULL=scorer_full,
-        KP=triton.next_power_of_2(k), BLOCK=BLOCK_V, num_warps=8)
-    outs.kl[rows], outs.argmax[rows], outs.target_argmax[rows] = kl, am, tam
-    if s is not None:
-        outs.scorer_kl[rows], outs.full_in_topk[rows], outs.target_in_topk[rows] = kls, fhit.bool(), thit.bool()
-    return dz, ds
+    dev, f32 = z.device, torch.float32
+    if splits is None:
+        splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, p_n), triton.cdiv(v, BLOCK_V)))
+    split = triton.cdiv(triton.cdiv(v, splits), BLOCK_V) * BLOCK_V
+    n_s = triton.cdiv(v, split)  # every split holds at least one id
+    kp, has_s = triton.next_power_of_2(k), s is not None
+    s_arg = s if has_s else z
+    part = lambda *shape, dtype=f32: torch.empty(*shape, n_s, dtype=dtype, device=dev)  # noqa: E731
+    m_t, l_t, b_t, bi_t = part(p_n), part(p_n), part(p_n), part(p_n, dtype=torch.long)
+    m_z, l_z, b_z, bi_z = part(p_n, k), part(p_n, k), part(p_n, k), part(p_n, k, dtype=torch.long)
+    m_s, l_s = (part(p_n, k), part(p_n, k)) if has_s else (m_z, l_z)
+    grid = (p_n, n_s)
+    _stats_kernel[grid](z, zt, s_arg, m_t, l_t, b_t, bi_t, m_z, l_z, b_z, bi_z, m_s, l_s, v, k, split, n_s,
+                        HAS_S=has_s, KP=kp, BLOCK=BLOCK_V, num_warps=8)
+    lse_t, lse_z = _lse(m_t, l_t), _lse(m_z, l_z)  # [P], [P, K]
+    t_argmax, argmax = _argmax(b_t, bi_t), _argmax(b_z, bi_z)
+    lse_s = _lse(m_s, l_s) if has_s else lse_z
+    row_base = torch.arange(p_n * k, device=dev).view(p_n, k) * v
+    flat = s.view(-1) if has_s else None
+    s_full = flat[row_base + argmax] if has_s else lse_z
+    s_tgt = flat[row_base + t_argmax[:, None]] if has_s else lse_z
+    dz = torch.empty(p_n * k, v, dtype=out_dtype, device=dev)
+    ds = torch.empty_like(dz) if has_s else dz
+    kl = part(p_n, k)
+    kls, c_f, c_t = (part(p_n, k), part(p_n, k, dtype=torch.int32), part(p_n, k, dtype=torch.int32)) if has_s \
+        else (kl, kl, kl)
+    _grad_kernel[grid](z, zt, s_arg, w.contiguous(), lse_t, lse_z.contiguous(), lse_s.contiguous(),
+                       s_full.contiguous(), s_tgt.contiguous(), dz, ds, kl, kls, c_f, c_t, v, k, split, n_s, coef,
+                       HAS_S=has_s, S_FULL=scorer_full, KP=kp, BLOCK=BLOCK_V, num_warps=8)
+    outs.kl[rows], outs.argmax[rows], outs.target_argmax[rows] = kl.sum(-1), argmax, t_argmax
+    if has_s:
+        outs.scorer_kl[rows] = kls.sum(-1)
+        outs.full_in_topk[rows] = c_f.sum(-1) < topk
+        outs.target_in_topk[rows] = c_t.sum(-1) < topk
+    return dz, (ds if has_s else None)
