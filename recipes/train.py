@@ -123,7 +123,8 @@ def build_train_engine(cfg: Config, drafter, info: DistInfo):
                                  min_lr_ratio=t.min_lr_ratio)
     return build_engine(p.engine, drafter.to(info.device), optim, schedule, mesh=None,
                         precision="bf16" if amp is not None else "fp32",
-                        ds_config=dict(p.deepspeed) or None, zero_stage=p.zero_stage)
+                        ds_config=dict(p.deepspeed) or None, zero_stage=p.zero_stage,
+                        compile_layer=t.compile_layer)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -83,6 +83,33 @@ def plot_runtime(efficiency: list[Path], smollm2: Path, out: Path) -> None:
     plt.close(fig)
 
 
+# The drafter step before the fused head loss (61c4e2b, issue 11's table: same step definition, one H200).
+STEP_BEFORE = {("qwen3-8b", "eagle3", "full", 2048): (16_387, 0.318), ("qwen3-8b", "eagle4", "full", 2048): (2_660, 0.122),
+               ("qwen3-8b", "eagle4", "efficient", 2048): (2_267, 0.107), ("qwen3-8b", "eagle3", "full", 4096): (17_945, 0.356),
+               ("flagship", "eagle4", "efficient", 4096): (832, 0.077)}
+
+
+def plot_drafter_step(src: Path, out: Path) -> None:
+    rows = {(r["shape"], r["drafter"], r["head"], r["seq"]): r for r in json.loads(src.read_text())
+            if not r.get("compile") and r["device"] != "cpu"}
+    cases = [c for c in STEP_BEFORE if c in rows]
+    labels = [f"{s}\n{d} {h}\nT={t}" for s, d, h, t in cases]
+    x = range(len(cases))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, i, name in ((axes[0], 0, "tokens / s"), (axes[1], 1, "MFU (of 790 TFLOP/s)")):
+        after = [rows[c]["tokens_per_s"] if i == 0 else rows[c]["mfu"] for c in cases]
+        ax.bar([j - 0.2 for j in x], [STEP_BEFORE[c][i] for c in cases], 0.4, label="before (61c4e2b)")
+        ax.bar([j + 0.2 for j in x], after, 0.4, label="fused head loss")
+        ax.set_xticks(list(x), labels, fontsize=8)
+        ax.set_ylabel(name)
+        ax.legend()
+    axes[1].axhline(0.4, color="grey", ls=":", lw=1)
+    fig.suptitle("drafter training step (TTT K=7 + loss + backward + AdamW, batch 1), H200 bf16")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     bench, img = ROOT / "docs" / "bench", ROOT / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -93,4 +120,6 @@ if __name__ == "__main__":
     efficiency = sorted(bench.glob("runtime_efficiency*.json"))
     if efficiency and (bench / "runtime_smollm2.json").exists():
         plot_runtime(efficiency, bench / "runtime_smollm2.json", img / "runtime_speedup.png")
+    if (bench / "drafter_step_h200.json").exists():
+        plot_drafter_step(bench / "drafter_step_h200.json", img / "drafter_step.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))

@@ -95,6 +95,7 @@ class TrainConfig:
     # (its logits and logit gradients) and the row-pass backend (auto: Triton on CUDA, else torch).
     loss_chunk_gib: float = 4.0
     loss_backend: str = "auto"  # auto | triton | torch
+    compile_layer: bool = False  # torch.compile the drafter's decoder layer (H200, qwen3-8b: -1.5% step time)
     seed: int = 0
     log_every: int = 10
     eval_every: int = 200  # 0: only at step 0 and at the end

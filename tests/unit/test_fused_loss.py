@@ -130,3 +130,19 @@ def test_chunk_sizing_and_the_memory_message(monkeypatch):
     with pytest.raises(ValueError, match=r"train.loss_chunk_gib: .* the largest that fits is 80 positions"):
         check_chunk_fits(1000, 151_936, 7, True, torch.bfloat16, torch.device("cuda"))
     check_chunk_fits(1000, 151_936, 7, True, torch.bfloat16, torch.device("cpu"))  # no check on CPU
+
+
+def test_unsupported_backend_falls_back_to_torch_with_one_warning(monkeypatch):
+    from torchspec.train import loss
+
+    monkeypatch.setattr(loss, "_warned", set())
+    with pytest.warns(UserWarning, match="needs CUDA.*torch reference path"):
+        assert loss.resolve_backend("triton", torch.device("cpu"), 7) == "torch"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second time: no warning
+        assert loss.resolve_backend("triton", torch.device("cpu"), 7) == "torch"
+        assert loss.resolve_backend("auto", torch.device("cpu"), 7) == "torch"  # CPU: the reference, silently
+    assert "K=17" in loss.loss_rows.triton_unsupported(torch.device("cuda"), 17) or \
+        "Triton is not installed" in loss.loss_rows.triton_unsupported(torch.device("cuda"), 17)
