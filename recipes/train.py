@@ -43,7 +43,7 @@ from torchspec.train.checkpoint import (
 )
 from torchspec.train.engine import OptimConfig, build_engine
 from torchspec.train.metrics import MetricsLogger, plot_metrics
-from torchspec.train.optim import resolve_precision, warmup_cosine
+from torchspec.train.optim import resolve_precision, resolve_target_dtype, warmup_cosine
 from torchspec.train.step import StepStats, TTTOptions, evaluate, train_step
 from torchspec.train.ttt import HeadLossConfig
 
@@ -61,7 +61,7 @@ def build_target(cfg: Config, info: DistInfo, mesh) -> tuple[TargetModel, str, l
     """tp=1: the whole target on this rank. tp>1: built on meta, sharded, and each rank reads only its shards."""
     path = resolve_target_path(cfg.target.path, os.path.expanduser(cfg.target.cache_dir))
     aux_ids = validate_against_target(cfg, load_target_config(path))  # before any weight loads
-    dtype = torch.bfloat16 if cfg.target.dtype == "bfloat16" else torch.float32
+    dtype = resolve_target_dtype(cfg.target.dtype, info.device)
     if cfg.parallel.target_tp > 1:
         return load_tp_target(path, mesh["tp"], aux_layer_ids=aux_ids, dtype=dtype), path, aux_ids
     return TargetModel.from_pretrained(path, aux_layer_ids=aux_ids, dtype=dtype).to(info.device), path, aux_ids
@@ -193,6 +193,7 @@ def train(raw: DictConfig) -> None:
     global_batch = t.micro_batch_size * info.world_size  # every rank takes its own micro_batch_size rows
     sampler = ResumableBatchSampler(len(train_set), global_batch, seed=t.seed)
     held_out = eval_batches(eval_set, t.micro_batch_size, pad_id, t.eval_batches, info)
+    held_out_captures: dict = {}  # the frozen target's outputs on held_out, reused by later evals
     opts = TTTOptions(t.ttt_steps, t.step_decay, cfg.drafter.moe_aux_loss_coef if cfg.drafter.moe else 0.0,
                       cfg.drafter.lowrank_coef, cfg.drafter.lowrank_teacher,
                       HeadLossConfig(t.loss_chunk_gib, t.loss_backend))
@@ -211,7 +212,7 @@ def train(raw: DictConfig) -> None:
     log.info("setup took %.1fs", time.time() - started)
 
     def run_eval() -> dict[str, float]:
-        metrics = evaluate(target, engine, held_out, opts, tp_group)
+        metrics = evaluate(target, engine, held_out, opts, tp_group, held_out_captures)
         logger.log(step, metrics)
         log.info("step %d held-out: acceptance length %.3f, acc_0 %.3f, loss %.4f",
                  step, metrics["eval/acceptance_length"], metrics["eval/acc_0"], metrics["eval/loss"])

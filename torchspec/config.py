@@ -22,7 +22,7 @@ class TargetConfig:
     # Captured layers: id i = residual stream after decoder layer i (0-indexed).
     # null -> [1, L//2 - 1, L - 4].
     aux_layer_ids: list[int] | None = None
-    dtype: str = "float32"  # float32 | bfloat16: weights of the frozen target
+    dtype: str = "float32"  # float32 | bfloat16 | auto (bf16 on CUDA and AMX CPUs): the frozen target's weights
     cache_dir: str = "~/.cache/torchspec"  # where GGUF files are converted to safetensors once
 
 
@@ -200,7 +200,7 @@ def validate_config(cfg: Config) -> None:
     if not t.loss_chunk_gib > 0:
         raise ValueError(f"train.loss_chunk_gib={t.loss_chunk_gib} must be > 0 (GiB of one loss chunk's logits).")
     _choice(t.report_to, "train.report_to", ("wandb", "none"))
-    _choice(cfg.target.dtype, "target.dtype", ("float32", "bfloat16"))
+    _choice(cfg.target.dtype, "target.dtype", ("float32", "bfloat16", "auto"))
     _choice(cfg.data.format, "data.format", ("auto", "messages", "sharegpt"))
     _choice(cfg.data.on_too_long, "data.on_too_long", ("truncate", "skip"))
     if cfg.data.max_length < t.ttt_steps + 3:

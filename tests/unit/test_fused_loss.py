@@ -51,6 +51,7 @@ def make(seed, n=11, k=3, h=8, ht=6, v=53, r=3):
     t_weight = torch.randn(v, ht, generator=g, dtype=torch.float64)
     t_bias = torch.randn(v, generator=g, dtype=torch.float64)
     w = torch.rand(n, k, generator=g, dtype=torch.float64) * (torch.rand(n, k, generator=g) > 0.3)
+    w[n // 2] = 0  # a position no step scores
     return states, weight, down, up, t_hidden, t_weight, t_bias, w
 
 
@@ -77,16 +78,20 @@ def test_fused_equals_per_position_reference(chunk, scorer_teacher):
     (1.3 * ref[0]).backward()
     want = grads(params[:2]) + (grads(params[2:]) if scorer else [])
     tight = {"rtol": 1e-9, "atol": 1e-11}
+    scored = (w > 0).any(-1)  # on CPU the pass skips positions no step scores (values there: 0)
+    assert 0 < scored.sum() < len(scored)  # the skipping is exercised
     torch.testing.assert_close(out.loss, ref[0].detach(), **tight)
-    torch.testing.assert_close(out.kl, ref[1].to(out.kl.dtype), rtol=1e-6, atol=1e-6)
-    assert torch.equal(out.argmax, ref[2])
-    assert torch.equal(out.target_argmax, (t_hidden @ t_weight.T + t_bias).argmax(-1))
+    torch.testing.assert_close(out.kl[scored], ref[1][scored].to(out.kl.dtype), rtol=1e-6, atol=1e-6)
+    assert not out.kl[~scored].any()
+    assert torch.equal(out.argmax[scored], ref[2][scored])
+    assert torch.equal(out.target_argmax[scored], (t_hidden @ t_weight.T + t_bias).argmax(-1)[scored])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tight)
     if scorer:
-        torch.testing.assert_close(out.scorer_kl, ref[3].to(out.scorer_kl.dtype), rtol=1e-6, atol=1e-6)
-        assert torch.equal(out.full_in_topk, ref[4]) and torch.equal(out.target_in_topk, ref[5])
-        assert ref[4].any() and not ref[4].all()  # the recall check is not vacuous
+        torch.testing.assert_close(out.scorer_kl[scored], ref[3][scored].to(out.scorer_kl.dtype), rtol=1e-6, atol=1e-6)
+        assert torch.equal(out.full_in_topk[scored], ref[4][scored])
+        assert torch.equal(out.target_in_topk[scored], ref[5][scored])
+        assert ref[4][scored].any() and not ref[4][scored].all()  # the recall check is not vacuous
 
 
 def test_fp32_matches_the_fp64_reference_and_frozen_head_gets_no_grad():

@@ -94,12 +94,14 @@ class HeadLossOutput:
 
 
 def mm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b with fp32 output (bf16 operands accumulate in fp32 and are not rounded back)."""
+    """a @ b as fp32. CUDA: bf16 operands accumulate in fp32 and are not rounded back. CPU has no
+    fp32-output bf16 GEMM: the bf16 product (fast with AVX-512 BF16 / AMX) is rounded to bf16 and
+    upcast, as bf16 autocast does."""
     if a.dtype in (torch.float32, torch.float64):
         return a @ b
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+    return (a @ b).float()
 
 
 def addmm_f32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -108,8 +110,8 @@ def addmm_f32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.addmm_(a, b)
     elif a.is_cuda:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
+    else:  # CPU: a bf16 product per chunk, accumulated in fp32 (chunks are few on CPU)
+        acc.add_(a @ b)
 
 
 def chunk_bytes(positions: int, vocab: int, steps: int, scorer: bool, dtype: torch.dtype) -> int:
@@ -158,10 +160,11 @@ def resolve_backend(backend: str, device: torch.device, steps: int) -> str:
 class FusedTTTHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, states, weight, down, up, t_hidden, t_weight, t_bias, token_weights, chunk,
-                compute_dtype, topk, scorer_coef, scorer_full, backend):
+                compute_dtype, topk, scorer_coef, scorer_full, backend, grad_on):
         """states [N, K, H], weight [V', H], down [r, H] / up [V', r] or None, t_hidden [N, Ht],
-        t_weight [V', Ht], t_bias [V'] or None, token_weights [N, K] fp32. Returns the tuple of
-        ``HeadLossOutput`` fields (loss first)."""
+        t_weight [V', Ht], t_bias [V'] or None, token_weights [N, K] fp32; grad_on: whether the
+        caller's grad mode is on (the gradients are computed here, in the forward, only then).
+        Returns the tuple of ``HeadLossOutput`` fields (loss first)."""
         n, k, h = states.shape
         v = weight.shape[0]
         dev = states.device
@@ -170,8 +173,8 @@ class FusedTTTHeadLoss(torch.autograd.Function):
         w_c, tw_c = weight.to(compute_dtype), t_weight.to(compute_dtype)
         th = t_hidden.to(compute_dtype)
         d_c, u_c = (down.to(compute_dtype), up.to(compute_dtype)) if scorer else (None, None)
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_s = scorer and (ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
+        need_x, need_w = grad_on and ctx.needs_input_grad[0], grad_on and ctx.needs_input_grad[1]
+        need_s = grad_on and scorer and (ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
         acc = token_weights.dtype  # fp32 (fp64 when everything is fp64: the tests' reference)
         grad_x = torch.empty(n, k, h, dtype=acc, device=dev) if need_x else None
         grad_w = torch.zeros(v, h, dtype=acc, device=dev) if need_w else None
@@ -189,7 +192,7 @@ class FusedTTTHeadLoss(torch.autograd.Function):
             a = xc @ d_c.T if scorer else None  # [P*K, r]
             s = mm_f32(a, u_c.T) if scorer else None  # [P*K, V]
             dz, ds = rows_fn(z, zt, s, token_weights[p0:p1], k, topk, scorer_coef, scorer_full,
-                             compute_dtype, outs, slice(p0, p1))
+                             compute_dtype, outs, slice(p0, p1), grads=need_x or need_w or need_s)
             del z, zt, s
             if need_x:
                 grad_x[p0:p1] = mm_f32(dz, w_c).view(p1 - p0, k, h)
@@ -213,7 +216,7 @@ class FusedTTTHeadLoss(torch.autograd.Function):
         for g, dtype in zip(ctx.saved_tensors, ctx.dtypes):
             grads.append(None if g is None else g.mul_(grad_loss).to(dtype))
         gx, gw, gd, gu = grads
-        return gx, gw, gd, gu, *([None] * 10)
+        return gx, gw, gd, gu, *([None] * 11)
 
 
 def fused_ttt_head_loss(states: Tensor, weight: Tensor, teacher: TeacherHead, token_weights: Tensor,
@@ -233,19 +236,38 @@ def fused_ttt_head_loss(states: Tensor, weight: Tensor, teacher: TeacherHead, to
     assert teacher.weight.shape[0] == v, f"teacher rows {teacher.weight.shape[0]} != head rows {v}"
     if chunk_positions is None:
         chunk_positions = auto_chunk_positions(v, k, scorer is not None, dtype, chunk_gib)
-    chunk_positions = min(chunk_positions, n)
-    check_chunk_fits(chunk_positions, v, k, scorer is not None, dtype, dev)
+    check_chunk_fits(min(chunk_positions, n), v, k, scorer is not None, dtype, dev)
     down, up = scorer if scorer is not None else (None, None)
     t_hidden = teacher.hidden.reshape(n, -1)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
+    keep = scored_positions(token_weights) if dev.type == "cpu" else None
+    if keep is not None:  # CPU: skip the positions no step scores (a host sync is free here)
+        states, t_hidden, token_weights = states[keep], t_hidden[keep], token_weights[keep]
     with torch.autocast(dev.type, enabled=False):
         out = FusedTTTHeadLoss.apply(
             states, weight, down, up, t_hidden, teacher.weight, teacher.bias, token_weights.to(acc),
-            chunk_positions, dtype, topk, float(scorer_coef), scorer_teacher == "full",
-            resolve_backend(backend, dev, k))
-    loss, kl, argmax, t_argmax, *rest = out
+            min(chunk_positions, states.shape[0]), dtype, topk, float(scorer_coef), scorer_teacher == "full",
+            resolve_backend(backend, dev, k), torch.is_grad_enabled())
+    loss, *rest = out
+    if keep is not None:
+        rest = [spread(x, keep, n) for x in rest]
+    kl, argmax, t_argmax, *scorer_out = rest
     if teacher.argmax is not None:
         t_argmax = teacher.argmax.reshape(n)
-    if scorer is None:
-        return HeadLossOutput(loss, kl, argmax, t_argmax)
-    return HeadLossOutput(loss, kl, argmax, t_argmax, *rest)
+    return HeadLossOutput(loss, kl, argmax, t_argmax, *scorer_out)
+
+
+def scored_positions(token_weights: Tensor) -> Tensor | None:
+    """Ids of the positions with any scored step ([N, K] weights); None when that is all of them.
+    Keeps one position of an all-masked batch, so every parameter still gets its (zero) gradient."""
+    keep = (token_weights > 0).any(-1).nonzero().squeeze(-1)
+    if len(keep) == len(token_weights):
+        return None
+    return keep if len(keep) else keep.new_zeros(1)
+
+
+def spread(x: Tensor, keep: Tensor, n: int) -> Tensor:
+    """Rows of ``x`` at positions ``keep`` -> [n, ...] (zeros / False elsewhere: never scored)."""
+    out = x.new_zeros((n, *x.shape[1:]))
+    out[keep] = x
+    return out

@@ -59,31 +59,47 @@ class RowOutputs:
 
 
 def row_pass_torch(z: Tensor, zt: Tensor, s: Tensor | None, w: Tensor, k: int, topk: int, coef: float,
-                   scorer_full: bool, out_dtype: torch.dtype, outs: RowOutputs, rows: slice
-                   ) -> tuple[Tensor, Tensor | None]:
-    """Reference row pass; writes ``outs[rows]`` and returns (dz, ds) in ``out_dtype``."""
+                   scorer_full: bool, out_dtype: torch.dtype, outs: RowOutputs, rows: slice,
+                   grads: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    """Reference row pass; writes ``outs[rows]`` and returns (dz, ds) in ``out_dtype`` (None, None
+    when not ``grads``: evaluation). Overwrites ``z`` and ``s`` (the logit gradients are built in
+    their memory: few passes over [P*K, V] on CPU).
+
+    With lse_z = logsumexp(z): KL = sum_v p log p - sum_v p z + lse_z (sum_v p = 1), so no
+    log q tensor is needed."""
     p_n, v = zt.shape
     logp = torch.log_softmax(zt, dim=-1)  # [P, V]
     prob = logp.exp()
-    logq = torch.log_softmax(z.view(p_n, k, v), dim=-1)  # [P, K, V]
-    q = logq.exp()
-    outs.kl[rows] = (prob[:, None] * (logp[:, None] - logq)).sum(-1)
-    argmax = logq.argmax(-1)  # [P, K]
+    plogp = (prob * logp).sum(-1)  # [P]
+    z3 = z.view(p_n, k, v)
+    lse_z = torch.logsumexp(z3, dim=-1)  # [P, K]
+    argmax = z3.argmax(-1)  # [P, K]
     t_argmax = zt.argmax(-1)  # [P]
     outs.argmax[rows], outs.target_argmax[rows] = argmax, t_argmax
-    dz = ((q - prob[:, None]) * w[..., None]).to(out_dtype).view(p_n * k, v)
-    if s is None:
-        return dz, None
-    s3 = s.view(p_n, k, v)
-    logqs = torch.log_softmax(s3, dim=-1)
-    ps, logps = (q, logq) if scorer_full else (prob[:, None], logp[:, None])
-    outs.scorer_kl[rows] = (ps * (logps - logqs)).sum(-1)
-    ds = ((logqs.exp() - ps) * (coef * w[..., None])).to(out_dtype).view(p_n * k, v)
-    s_full = s3.gather(-1, argmax[..., None])  # [P, K, 1]
-    s_tgt = s3.gather(-1, t_argmax[:, None, None].expand(p_n, k, 1))
-    outs.full_in_topk[rows] = (s3 > s_full).sum(-1) < topk
-    outs.target_in_topk[rows] = (s3 > s_tgt).sum(-1) < topk
-    return dz, ds
+    outs.kl[rows] = plogp[:, None] - torch.einsum("pv,pkv->pk", prob, z3) + lse_z
+    ds = None
+    if s is not None:
+        s3 = s.view(p_n, k, v)
+        lse_s = torch.logsumexp(s3, dim=-1)  # [P, K]
+        s_full = s3.gather(-1, argmax[..., None])  # [P, K, 1]
+        s_tgt = s3.gather(-1, t_argmax[:, None, None].expand(p_n, k, 1))
+        outs.full_in_topk[rows] = (s3 > s_full).sum(-1) < topk
+        outs.target_in_topk[rows] = (s3 > s_tgt).sum(-1) < topk
+        if scorer_full:  # teacher q (detached): KL = sum q (z - lse_z) - sum q s + lse_s
+            q = (z3 - lse_z[..., None]).exp()
+            outs.scorer_kl[rows] = (q * (z3 - lse_z[..., None] - s3)).sum(-1) + lse_s
+        else:
+            outs.scorer_kl[rows] = plogp[:, None] - torch.einsum("pv,pkv->pk", prob, s3) + lse_s
+        if not grads:
+            return None, None
+        qs = s3.sub_(lse_s[..., None]).exp_()  # in place: s -> softmax(s)
+        qs.sub_(q if scorer_full else prob[:, None]).mul_(coef * w[..., None])
+        ds = qs.view(p_n * k, v).to(out_dtype)
+    if not grads:
+        return None, None
+    dz = z3.sub_(lse_z[..., None]).exp_()  # in place: z -> q
+    dz.sub_(prob[:, None]).mul_(w[..., None])
+    return dz.view(p_n * k, v).to(out_dtype), ds
 
 
 def triton_unsupported(device: torch.device, steps: int) -> str | None:

@@ -169,8 +169,9 @@ def _argmax(best: Tensor, idx: Tensor) -> Tensor:
 
 def row_pass_triton(z: Tensor, zt: Tensor, s: Tensor | None, w: Tensor, k: int, topk: int, coef: float,
                     scorer_full: bool, out_dtype: torch.dtype, outs: RowOutputs, rows: slice,
-                    splits: int | None = None) -> tuple[Tensor, Tensor | None]:
-    """Same contract as ``loss_rows.row_pass_torch`` (CUDA tensors, contiguous)."""
+                    grads: bool = True, splits: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """Same contract as ``loss_rows.row_pass_torch`` (CUDA tensors, contiguous; the logit
+    gradients are written even when not ``grads``: evaluation cost on the GPU is small)."""
     p_n, v = zt.shape
     assert z.is_contiguous() and zt.is_contiguous() and (s is None or s.is_contiguous())
     dev, f32 = z.device, torch.float32

@@ -104,8 +104,9 @@ def target_forward(target, batch: dict[str, torch.Tensor], tp_group) -> tuple[li
 
 
 def run_micro_batch(target, engine, batch: dict[str, torch.Tensor], opts: TTTOptions,
-                    denominators: torch.Tensor, tp_group=None) -> TTTResult:
-    aux, last = target_forward(target, batch, tp_group)
+                    denominators: torch.Tensor, tp_group=None, captured=None) -> TTTResult:
+    """``captured``: this batch's (aux states, last hidden) if already known (held-out cache)."""
+    aux, last = captured if captured is not None else target_forward(target, batch, tp_group)
     # The teacher stays (post-norm last hidden, LM head): its distribution is computed chunk by
     # chunk inside the fused loss, never as [B, T, V].
     teacher = TeacherHead(last, target.lm_head_weight, target.lm_head_bias)
@@ -139,15 +140,30 @@ def train_step(target, engine, micro_batches: list[dict[str, torch.Tensor]], opt
     return grad_norm
 
 
+EVAL_CACHE_BYTES = 1 << 30  # held-out captures kept between evals up to this size per rank
+
+
 @torch.no_grad()
 def evaluate(target, engine, batches: list[dict[str, torch.Tensor]], opts: TTTOptions,
-             tp_group=None) -> dict[str, float]:
-    """Held-out metrics over this rank's fixed list of batches (every rank the same count)."""
+             tp_group=None, cache: dict[int, tuple] | None = None) -> dict[str, float]:
+    """Held-out metrics over this rank's fixed list of batches (every rank the same count).
+
+    ``cache`` (a dict the caller keeps between evals): the frozen target's captures of the fixed
+    held-out batches, stored by the first eval while they fit ``EVAL_CACHE_BYTES``, so later evals
+    skip the target forward (same values: the target never changes). Only without a tp group: the
+    target forward is collective there, and every rank must run the same forwards."""
     engine.module.eval()
     stats = StepStats()
     denominators = global_denominators(batches, opts.num_steps)
-    for b in batches:
-        stats.add(run_micro_batch(target, engine, b, opts, denominators, tp_group),
+    use_cache = cache is not None and tp_group is None
+    for i, b in enumerate(batches):
+        captured = cache.get(i) if use_cache else None
+        if captured is None:
+            captured = target_forward(target, b, tp_group)
+            size = sum(t.numel() * t.element_size() for t in (*captured[0], captured[1]))
+            if use_cache and sum(c[2] for c in cache.values()) + size <= EVAL_CACHE_BYTES:
+                cache[i] = (*captured, size)
+        stats.add(run_micro_batch(target, engine, b, opts, denominators, tp_group, captured[:2]),
                   tokens=b["attention_mask"].sum())
     stats.steps = 1
     stats.all_reduce()
