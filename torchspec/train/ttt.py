@@ -26,6 +26,12 @@ the drafter would have after drafting k tokens beyond the committed prefix x_0..
 Loss (contract 4): per valid token, forward KL(p_target || q_draft) in fp32; step k summed over
 its valid tokens, divided by the GLOBAL number of valid tokens of step k (summed over data-parallel
 ranks and gradient-accumulation micro-batches, passed in as ``denominators``), weighted decay**k.
+All K steps are scored after the unroll in one fused pass (``torchspec.train.loss``), their states
+stacked by target position p = t + k + 1 so each position's teacher distribution is computed once.
+
+Packed rows (``document_ids``, ``position_ids`` per document): RoPE uses the position inside the
+document, attention stays inside the document, and step k at t is valid only if x_t and the
+predicted x_{t+k+2} belong to the same document (``scored_mask``).
 """
 
 from __future__ import annotations
