@@ -88,7 +88,7 @@ class TrainConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 0.5
-    # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32. bf16: bf16 parameters, fp32 master weights and
+    # auto (bf16 on CUDA and AMX CPUs, else fp32) | bf16 | fp32. bf16: bf16 parameters, fp32 master weights and
     # gradient accumulation in the optimizer (torchspec/train/optim.py).
     precision: str = "auto"
     # Fused LM-head loss (torchspec/train/loss.py): transient memory of one chunk of positions

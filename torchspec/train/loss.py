@@ -15,7 +15,7 @@ Per chunk (z: drafter logits, zt: teacher logits, s: the low-rank scorer's score
     zt = teacher_hidden[P] @ Wt^T (+ bias)          [P, V]      bf16 operands, fp32 output
     z  = states[P, K] @ W^T                         [P*K, V]
     s  = (states @ down^T) @ up^T                   [P*K, V]    efficient head only
-    row pass (one Triton kernel on CUDA, torch on CPU): lse of zt / z / s, argmaxes,
+    row pass (two Triton kernels on CUDA, torch elsewhere): lse of zt / z / s, argmaxes,
          KL_i = sum_v p (log p - log q),   dz = w_i (q - p),   ds = c w_i (q_s - p_s)
     grad_states[P, K] = dz @ W;   grad_W += dz^T @ states   (fp32, accumulated in place)
     grad_up += ds^T @ a;  grad_down += (ds @ up)^T @ states  (a = states @ down^T)
@@ -73,10 +73,12 @@ class TeacherHead:
     def full_argmax(self, chunk_rows: int = 1024) -> Tensor:
         """[B, T] argmax of the teacher logits, chunked over positions (never [N, V] whole)."""
         flat = self.hidden.reshape(-1, self.hidden.shape[-1])
+        weight_t = self.weight.to(flat.dtype).T  # cast once, not per chunk
+        bias = None if self.bias is None else self.bias.float()
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         for start in range(0, flat.shape[0], chunk_rows):
-            zt = mm_f32(flat[start : start + chunk_rows], self.weight.to(flat.dtype).T)
-            out[start : start + chunk_rows] = (zt if self.bias is None else zt + self.bias.float()).argmax(-1)
+            zt = mm_f32(flat[start : start + chunk_rows], weight_t)
+            out[start : start + chunk_rows] = (zt if bias is None else zt + bias).argmax(-1)
         return out.view(self.hidden.shape[:-1])
 
 
@@ -95,8 +97,8 @@ class HeadLossOutput:
 
 def mm_f32(a: Tensor, b: Tensor) -> Tensor:
     """a @ b as fp32. CUDA: bf16 operands accumulate in fp32 and are not rounded back. CPU has no
-    fp32-output bf16 GEMM: the bf16 product (fast with AVX-512 BF16 / AMX) is rounded to bf16 and
-    upcast, as bf16 autocast does."""
+    fp32-output bf16 GEMM: the bf16 product is rounded to bf16 and upcast, as bf16 autocast does
+    (CPUs run bf16 only where it is the faster: ``train.optim.fast_bf16``)."""
     if a.dtype in (torch.float32, torch.float64):
         return a @ b
     if a.is_cuda:
@@ -127,8 +129,10 @@ def auto_chunk_positions(vocab: int, steps: int, scorer: bool, dtype: torch.dtyp
 
 def check_chunk_fits(positions: int, vocab: int, steps: int, scorer: bool, dtype: torch.dtype,
                      device: torch.device) -> None:
-    """On CUDA, refuse a chunk that cannot fit the free memory, naming the largest that fits."""
-    if device.type != "cuda":
+    """On CUDA, refuse a chunk that cannot fit the free memory, naming the largest that fits.
+    Checked once per chunk shape (the first micro-batch), not on every step."""
+    key = (positions, vocab, steps, scorer, dtype, device)
+    if device.type != "cuda" or key in _checked:
         return
     free, _ = torch.cuda.mem_get_info(device)
     need = chunk_bytes(positions, vocab, steps, scorer, dtype)
@@ -138,9 +142,11 @@ def check_chunk_fits(positions: int, vocab: int, steps: int, scorer: bool, dtype
             f"train.loss_chunk_gib: a loss chunk of {positions} positions needs {need / 2**30:.1f} GiB but "
             f"{free / 2**30:.1f} GiB are free on {device}; the largest that fits is {int(fits)} positions "
             f"(~{fits * chunk_bytes(1, vocab, steps, scorer, dtype) / 2**30:.1f} GiB): lower train.loss_chunk_gib.")
+    _checked.add(key)
 
 
 _warned: set[str] = set()
+_checked: set[tuple] = set()
 
 
 def resolve_backend(backend: str, device: torch.device, steps: int) -> str:

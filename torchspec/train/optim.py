@@ -1,8 +1,8 @@
 """The optimizer side of training: AdamW built for the device, fp32 master weights for a bf16
 module, the learning-rate schedule, and the precision choice.
 
-**Precision** (``train.precision``): "auto" is bf16 on CUDA (where the GPU has it) and fp32
-elsewhere; "bf16" / "fp32" force one. bf16 means bf16 parameters with fp32 master weights in the
+**Precision** (``train.precision``): "auto" is bf16 where it is the faster (``fast_bf16``: CUDA,
+CPUs with AMX) and fp32 elsewhere; "bf16" / "fp32" force one. bf16 means bf16 parameters with fp32 master weights in the
 optimizer, in every engine:
 
 * "none": ``MasterWeights`` below (the module holds bf16, AdamW steps fp32 copies);
@@ -143,13 +143,13 @@ class MasterWeights:
 
     @torch.no_grad()
     def load_state_dict(self, weights: dict[str, torch.Tensor], optim_sd: dict) -> None:
-        """Restore ``state_dict``'s output (or an fp32/FSDP2 engine's, same layout); the bf16
-        parameters become the loaded masters rounded."""
+        """Restore ``state_dict``'s output (or an fp32/FSDP2 engine's, same layout; its AdamW flags
+        already set for this device by ``with_implementation``); the bf16 parameters become the
+        loaded masters rounded."""
         for name, master in zip(self.names, self.masters):
             master.copy_(weights[name])
         self.copy_to_model()
         index = {n: i for i, n in enumerate(self.names)}
-        optim_sd = with_implementation(optim_sd, self.optimizer)
         self.optimizer.load_state_dict({
             "state": {index[n]: s for n, s in optim_sd["state"].items()},
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optim_sd["param_groups"]]})
