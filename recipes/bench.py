@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     if not is_rank0():
         return
     print_table(out)
-    from torchspec.train.checkpoint import atomic_write_text
+    from torchspec.io import atomic_write_text
 
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

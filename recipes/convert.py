@@ -5,7 +5,7 @@
                       [--set key=value ...]
 
 Read top to bottom: EAGLE-3 drafter -> target (checked against the drafter before its weights load)
--> EAGLE-4 config (preset from conf/drafter/, sized like the EAGLE-3 drafter, ``--set`` overrides)
+-> EAGLE-4 config (preset from torchspec/conf/drafter/, sized like the EAGLE-3 drafter, ``--set`` overrides)
 -> fit samples (the target's captured states on conversations, or on text the target samples
 itself) -> ``eagle3_to_eagle4`` -> report -> ``save_pretrained`` into a temp dir renamed into place.
 The choices the conversion makes are documented in ``torchspec/export/warm_start.py``.
@@ -22,16 +22,17 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
+import torchspec.conf
 from torchspec.config import DrafterConfig
 from torchspec.data import collate, read_conversations, tokenize_conversation
 from torchspec.data.dataset import Example
 from torchspec.export.warm_start import eagle3_to_eagle4, format_report
+from torchspec.io import atomic_save_dir
 from torchspec.models import drafter_config_from_target
 from torchspec.models.eagle3 import Eagle3Drafter
 from torchspec.target import TargetModel, load_target_config, load_tokenizer, resolve_target_path
-from torchspec.train.checkpoint import atomic_save_dir
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "drafter"
+PRESET_DIR = Path(torchspec.conf.__file__).parent / "drafter"
 SIZE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
 
 
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default="~/.cache/torchspec", help="where .gguf targets are converted once")
     p.add_argument("--layout", default="torchspec", choices=("torchspec", "sglang", "vllm"),
                    help="format of EAGLE3_DIR: torchspec's own, or the SpecForge/SGLang or speculators/vLLM layout")
-    p.add_argument("--drafter-preset", default="eagle4", help="conf/drafter/<preset>.yaml, e.g. eagle4 | eagle4_moe")
+    p.add_argument("--drafter-preset", default="eagle4", help="torchspec/conf/drafter/<preset>.yaml, e.g. eagle4 | eagle4_moe")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a drafter field, e.g. --set sliding_window=null --set lm_head_rank=0")
     p.add_argument("--fit-samples", type=int, default=16, help="sequences the eh_proj/q/k/v fit runs EAGLE-3 on")
@@ -55,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load_preset(name: str) -> dict:
-    """conf/drafter/<name>.yaml with its ``defaults`` list resolved (bases first, then the file)."""
+    """torchspec/conf/drafter/<name>.yaml with its ``defaults`` list resolved (bases first, then the file)."""
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"--drafter-preset={name!r}: no {path}; choose one of "

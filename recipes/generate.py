@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             from pathlib import Path
 
-            from torchspec.train.checkpoint import atomic_write_text
+            from torchspec.io import atomic_write_text
 
             atomic_write_text(Path(args.json), text)
     if args.json != "-":

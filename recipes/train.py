@@ -31,16 +31,11 @@ from torchspec.data.packing import pack_examples
 from torchspec.data.vocab import build_vocab_mapping, token_frequencies, vocab_coverage
 from torchspec.distributed import DistInfo, barrier, build_mesh, init_distributed, is_rank0, seed_everything
 from torchspec.export.serving import is_export, load_exported_drafter
+from torchspec.io import atomic_save_dir, atomic_write_text
 from torchspec.models import build_drafter
 from torchspec.target import TargetModel, load_target_config, load_tokenizer, resolve_target_path
 from torchspec.target.parallelize import load_tp_target
-from torchspec.train.checkpoint import (
-    atomic_save_dir,
-    atomic_write_text,
-    find_resume_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from torchspec.train.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from torchspec.train.engine import OptimConfig, build_engine
 from torchspec.train.metrics import MetricsLogger, plot_metrics
 from torchspec.train.optim import resolve_precision, resolve_target_dtype, warmup_cosine
@@ -143,7 +138,7 @@ def eval_batches(eval_set, batch_size: int, pad_id: int, limit: int | None, info
     return [to_device(b, info.device) for b in batches]
 
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = "pkg://torchspec.conf"  # the configs ship inside the package (pip install . works)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base=None)

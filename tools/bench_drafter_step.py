@@ -7,12 +7,12 @@
     CPU smoke:  python tools/bench_drafter_step.py --shape tiny --drafter eagle4 --head full --seq 64 --out /tmp/s.json
 
 A **step** is what training does per optimizer step at batch 1 and no gradient accumulation: the
-TTT unroll of K=7 steps with the fused head loss (``Engine.unroll``), backward, and the optimizer
+TTT unroll of K=7 steps with the fused head loss (``TrainingEngine.unroll``), backward, and the optimizer
 step (clip, AdamW, LR schedule), through the "none" engine of ``torchspec/train/engine.py`` at the
 production precision (``--precision auto``: bf16 parameters with fp32 master weights on CUDA, fp32
 on the CPU). Inputs are random: token ids, the three captured target states 3 x [1, T, H], the
 target's post-norm last hidden [1, T, H] and a target LM head [V, H] (bf16 on CUDA) as the
-``TeacherHead``. The drafter is the ``conf/drafter/{eagle3,eagle4}.yaml`` preset (the recipe's
+``TeacherHead``. The drafter is the ``torchspec/conf/drafter/{eagle3,eagle4}.yaml`` preset (the recipe's
 ``build_drafter``) sized for the shape; ``--head full`` is EAGLE-4 with ``lm_head_rank=0``,
 ``efficient`` the preset's rank-128 head (EAGLE-3 has only its dense draft-vocabulary head; the
 eagle3 x efficient case is skipped).
@@ -104,8 +104,8 @@ def git_commit() -> str:
 
 
 def drafter_config(drafter: str, head: str, shape: dict) -> DrafterConfig:
-    """The conf/drafter preset as the recipe composes it, with the head choice applied."""
-    preset = OmegaConf.load(REPO / "conf" / "drafter" / f"{drafter}.yaml")
+    """The torchspec/conf/drafter preset as the recipe composes it, with the head choice applied."""
+    preset = OmegaConf.load(REPO / "torchspec" / "conf" / "drafter" / f"{drafter}.yaml")
     cfg: DrafterConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DrafterConfig), preset))
     if drafter == "eagle3":
         cfg.draft_vocab_size = shape["draft_vocab_size"]

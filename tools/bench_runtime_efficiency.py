@@ -53,7 +53,7 @@ def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed:
     from torchspec.models import build_drafter
     from torchspec.runtime.decoder import TargetDecoder
     from torchspec.runtime.drafter_runner import DrafterRunner
-    from torchspec.runtime.engine import Engine
+    from torchspec.runtime.engine import SpeculativeEngine
     from torchspec.target.capture import default_aux_layer_ids
 
     cfg = hf_config(shape)
@@ -75,7 +75,7 @@ def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed:
     drafter.layer.self_attn.o_proj.weight.mul_(mix * 5)
     drafter.layer.mlp.down_proj.weight.mul_(mix * 5)
     runner = DrafterRunner(drafter.to(dtype).eval(), cfg.vocab_size)
-    return Engine(decoder, runner, None, max_batch=max_batch, max_context=max_context, page_size=16)
+    return SpeculativeEngine(decoder, runner, None, max_batch=max_batch, max_context=max_context, page_size=16)
 
 
 @torch.no_grad()

@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from torchspec.models import DRAFTERS
-from torchspec.train.checkpoint import atomic_save_dir
+from torchspec.io import atomic_save_dir
 
 EXPORT_VERSION = 1
 CONFIG_FILE = "config.json"

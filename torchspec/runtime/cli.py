@@ -1,6 +1,6 @@
 """Command-line options shared by ``torchspec-generate`` and ``torchspec-bench``.
 
-Engine: ``--target`` (HF dir, .gguf or alias ``smollm2``), ``--drafter`` (a torchspec export),
+SpeculativeEngine: ``--target`` (HF dir, .gguf or alias ``smollm2``), ``--drafter`` (a torchspec export),
 ``--device``, ``--dtype``, ``--max-batch``, ``--max-context``, ``--page-size``.
 Speculation: ``--no-spec`` (plain decoder), ``--tree`` (default) or ``--chain``, ``--depth``,
 ``--topk`` and ``--num-nodes`` (dynamic tree), ``--branching`` (sampled tree at T > 0, children per

@@ -1,4 +1,4 @@
-"""``Engine``: a target decoder, an optional exported drafter, a paged KV cache, and ``generate``.
+"""``SpeculativeEngine``: a target decoder, an optional exported drafter, a paged KV cache, and ``generate``.
 
 Scheduling is continuous batching over ``max_batch`` slots: a waiting prompt is prefilled into a
 free slot, all occupied slots then advance together (one speculation round, or one plain decode
@@ -57,12 +57,12 @@ class _Slot:
     ctx: int  # tokens in the KV cache
 
 
-class Engine:
+class SpeculativeEngine:
     def __init__(self, decoder: TargetDecoder, runner: DrafterRunner | None = None, tokenizer=None, *,
                  max_batch: int = 8, max_context: int = 2048, page_size: int = 16, num_pages: int | None = None,
                  cuda_graphs: bool | None = None, prefill_tokens: int = 16384):
         if max_batch < 1 or max_context < 2 or page_size < 1:
-            raise ValueError(f"Engine: max_batch={max_batch} >= 1, max_context={max_context} >= 2 and "
+            raise ValueError(f"SpeculativeEngine: max_batch={max_batch} >= 1, max_context={max_context} >= 2 and "
                              f"page_size={page_size} >= 1 are required.")
         self.decoder, self.runner, self.tokenizer = decoder, runner, tokenizer
         self.max_batch, self.max_context, self.page_size = max_batch, max_context, page_size
@@ -121,7 +121,7 @@ class Engine:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0.")
         if spec is not None:
             if self.runner is None:
-                raise ValueError("speculation needs a drafter: build the Engine with one, or pass spec=None.")
+                raise ValueError("speculation needs a drafter: build the SpeculativeEngine with one, or pass spec=None.")
             spec.validate()
         for i, p in enumerate(prompts):
             if len(p) == 0:
@@ -150,7 +150,7 @@ class Engine:
         sampling = sampling or SamplingParams()
         if prompts and isinstance(prompts[0], str):
             if self.tokenizer is None:
-                raise ValueError("string prompts need an Engine built with a tokenizer; pass token ids instead.")
+                raise ValueError("string prompts need a SpeculativeEngine built with a tokenizer; pass token ids instead.")
             prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         self.check_request(prompts, max_new_tokens, sampling, spec)
         stop = set() if ignore_eos else set(self.eos_token_ids)

@@ -1,4 +1,4 @@
-"""Build an ``Engine`` from paths: a target checkpoint (HF dir, .gguf, or alias) and a drafter export.
+"""Build an ``SpeculativeEngine`` from paths: a target checkpoint (HF dir, .gguf, or alias) and a drafter export.
 
 The drafter must be a torchspec export (``torchspec-export``); it is checked against the target's
 identity (vocabulary, hidden size, layer count and the weights fingerprint of embedding and LM
@@ -15,7 +15,7 @@ import torch
 from torchspec.export.serving import is_export, load_exported_drafter, weights_fingerprint
 from torchspec.runtime.decoder import TargetDecoder
 from torchspec.runtime.drafter_runner import DrafterRunner
-from torchspec.runtime.engine import Engine
+from torchspec.runtime.engine import SpeculativeEngine
 from torchspec.target.loader import load_tokenizer, resolve_target_path
 
 DEFAULT_CACHE_DIR = "~/.cache/torchspec"
@@ -49,7 +49,7 @@ def _optional_tokenizer(path: str):
 
 def load_engine(target: str, drafter: str | None = None, *, device: str | torch.device | None = None,
                 dtype: str | torch.dtype = "auto", tp_group=None, max_batch: int = 8, max_context: int = 2048,
-                page_size: int = 16, num_pages: int | None = None, cache_dir: str = DEFAULT_CACHE_DIR) -> Engine:
+                page_size: int = 16, num_pages: int | None = None, cache_dir: str = DEFAULT_CACHE_DIR) -> SpeculativeEngine:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, device)
     path = resolve_target_path(target, os.path.expanduser(cache_dir))
@@ -66,5 +66,5 @@ def load_engine(target: str, drafter: str | None = None, *, device: str | torch.
         if max(aux) >= decoder.num_layers:
             raise ValueError(f"drafter {drafter!r} reads target layers {aux}; the target has {decoder.num_layers}.")
         runner = DrafterRunner(model.to(device), decoder.vocab_size)
-    return Engine(decoder, runner, tokenizer, max_batch=max_batch, max_context=max_context, page_size=page_size,
+    return SpeculativeEngine(decoder, runner, tokenizer, max_batch=max_batch, max_context=max_context, page_size=page_size,
                   num_pages=num_pages)

@@ -18,7 +18,6 @@ batch); DeepSpeed's resume at the same world size and stage. Exports for serving
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from torchspec.distributed import barrier
+from torchspec.io import atomic_write_text, fsync_tree
 
 LATEST = "latest"
 
@@ -44,33 +44,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_save_dir(final: Path, write: Any) -> None:
-    """Call ``write(tmp_dir)`` then rename tmp_dir to ``final`` (replacing an older one)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
-    try:
-        write(tmp)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save_checkpoint(output_dir: str | Path, step: int, engine, sampler_state: dict[str, Any],
@@ -96,7 +69,7 @@ def save_checkpoint(output_dir: str | Path, step: int, engine, sampler_state: di
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -104,13 +77,6 @@ def save_checkpoint(output_dir: str | Path, step: int, engine, sampler_state: di
         _prune(root, keep)
     barrier()
     return final
-
-
-def _fsync_tree(path: Path) -> None:
-    for file in path.rglob("*"):
-        if file.is_file():
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -1,4 +1,4 @@
-"""The DeepSpeed engine: ZeRO stage 1 or 2 behind the `Engine` interface of ``engine.py``.
+"""The DeepSpeed engine: ZeRO stage 1 or 2 behind the `TrainingEngine` interface of ``engine_base.py``.
 
 ZeRO-3 is refused (``ZERO3_REFUSED`` says why); FSDP2 is the parameter-sharding engine.
 
@@ -45,7 +45,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchspec.train.engine import Engine, OptimConfig, TTTModel, dp_world_size, is_rank0, trainable
+from torchspec.train.engine_base import (
+    OptimConfig,
+    TrainingEngine,
+    TTTModel,
+    dp_world_size,
+    is_rank0,
+    trainable,
+)
 from torchspec.train.optim import build_adamw
 
 TAG = "deepspeed"  # the sub-directory DeepSpeed writes into
@@ -116,7 +123,7 @@ def _skip_cpu_shm_comm_build() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(TrainingEngine):
     kind = "deepspeed"
 
     def __init__(self, model: TTTModel, optim: OptimConfig, scheduler_fn, precision: str, mesh,
@@ -143,7 +150,7 @@ class DeepSpeedEngine(Engine):
         self.micro_batches = 0  # backward calls since the last step
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss * dp_size`` as in `Engine.backward`; DeepSpeed's micro-step advances in between."""
+        """``loss * dp_size`` as in `TrainingEngine.backward`; DeepSpeed's micro-step advances in between."""
         if self.micro_batches == self.grad_accum:
             raise ValueError(f"backward called {self.grad_accum + 1} times without step(); the deepspeed engine "
                              f"was built for grad_accum={self.grad_accum} micro-batches per step.")

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torchspec.train.checkpoint import atomic_write_text
+from torchspec.io import atomic_write_text
 
 
 class MetricsLogger:

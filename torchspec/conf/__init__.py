@@ -1,0 +1,1 @@
+"""Hydra config groups shipped inside the package (``pkg://torchspec.conf``)."""
