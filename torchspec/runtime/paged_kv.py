@@ -146,6 +146,17 @@ def build_attention_meta(
     return AttentionMeta(write_slots=write_slots, key_slots=key_slots, mask=mask[:, None])
 
 
+class PagedAttend:
+    """The `torchspec.attend.Attend` of serving: ``attend(layer, q, k, v)`` writes this forward's K/V
+    into ``cache``'s pools of ``layer`` and attends over the rows' pages as ``meta`` says."""
+
+    def __init__(self, cache: PagedKVCache, meta: AttentionMeta):
+        self.cache, self.meta = cache, meta
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return paged_attention(q, k, v, self.cache.k[layer], self.cache.v[layer], self.meta, q.shape[-1] ** -0.5)
+
+
 def paged_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     meta: AttentionMeta, scale: float,
