@@ -9,12 +9,12 @@ of the same engine, c sequences at a time (continuous batching over c slots). Re
 decode tokens/s (generated tokens after the first, over wall time minus prefill time), speedup
 over the plain decoder of the same row group, and mean acceptance length (tokens committed per
 verification round, bonus included). A warm-up generate runs first. Prints a table; writes JSON
-(atomically) with every number and the exact arguments.
+(atomically) with every number and the exact arguments. Every option and prompt set is checked
+before a model loads; user errors print one line and exit 2 (``--debug``: the traceback).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import platform
@@ -23,13 +23,22 @@ from pathlib import Path
 
 import torch
 
-from torchspec.runtime.cli import add_engine_args, add_spec_args, engine_kwargs, spec_from_args
+from torchspec.cli import ArgumentParser, check_at_least, user_errors
+from torchspec.runtime.cli import (
+    add_engine_args,
+    add_spec_args,
+    check_engine_args,
+    check_output_file,
+    engine_kwargs,
+    read_prompt_set,
+    spec_from_args,
+)
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.tp import is_rank0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchspec-bench", description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="torchspec-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-set", default="mtbench", help="comma-separated: mtbench, humaneval or files")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts per set (at least the concurrency)")
     p.add_argument("--concurrency", default="1,8", help="comma-separated slot counts")
@@ -44,11 +53,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _csv(text: str, kind=str) -> list:
+def _csv(flag: str, text: str, kind=str) -> list:
     try:
-        return [kind(x) for x in text.split(",") if x.strip()]
+        values = [kind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{text!r} must be a comma-separated list of {kind.__name__}") from None
+        raise ValueError(f"{flag}={text!r} must be a comma-separated list of {kind.__name__}") from None
+    if not values:
+        raise ValueError(f"{flag}={text!r} is empty; give at least one value")
+    return values
+
+
+def check_args(args) -> dict:
+    """Every option, and the prompt sets, before a model loads: a typo must not cost a target load."""
+    base_spec = spec_from_args(args)
+    if base_spec is None or args.drafter is None:
+        raise ValueError("torchspec-bench compares against speculation: give --drafter PATH (no --no-spec).")
+    levels, temps, shapes = (_csv("--concurrency", args.concurrency, int), _csv("--temperature", args.temperature, float),
+                             _csv("--shapes", args.shapes))
+    for c in levels:
+        check_at_least("--concurrency", c, 1)
+    for temp in temps:
+        SamplingParams(temperature=temp, top_p=args.top_p).validate()
+    for shape in shapes:
+        dataclasses.replace(base_spec, shape=shape).validate()
+    check_at_least("--num-prompts", args.num_prompts, 1)
+    check_at_least("--max-new-tokens", args.max_new_tokens, 1)
+    check_engine_args(args, base_spec)
+    check_output_file("--out", args.out)
+    prompt_sets = {name: read_prompt_set(name) for name in _csv("--prompt-set", args.prompt_set)}
+    return {"spec": base_spec, "levels": levels, "temps": temps, "shapes": shapes, "prompt_sets": prompt_sets}
 
 
 def measure(engine, prompts, spec, params, max_new, seed, concurrency) -> dict:
@@ -67,26 +100,21 @@ def measure(engine, prompts, spec, params, max_new, seed, concurrency) -> dict:
 
 def run(args) -> dict:
     from torchspec.runtime.loading import load_engine
-    from torchspec.runtime.prompts import load_prompt_set, render_prompts
+    from torchspec.runtime.prompts import render_prompts
     from torchspec.runtime.tp import init_tp_from_env
 
-    base_spec = spec_from_args(args)
-    if base_spec is None or args.drafter is None:
-        raise ValueError("torchspec-bench compares against speculation: give --drafter PATH (no --no-spec).")
-    levels = _csv(args.concurrency, int)
-    temps = _csv(args.temperature, float)
-    shapes = _csv(args.shapes)
+    checked = check_args(args)
+    base_spec, levels, temps, shapes = checked["spec"], checked["levels"], checked["temps"], checked["shapes"]
     kwargs = engine_kwargs(args)
     kwargs["max_batch"] = max(levels)
     tp_group, device = init_tp_from_env()  # under torchrun: the target is tensor-parallel over all ranks
     kwargs["device"] = args.device or device
     engine = load_engine(args.target, args.drafter, tp_group=tp_group, **kwargs)
     rows = []
-    for set_name in _csv(args.prompt_set):
-        prompts = render_prompts(engine.tokenizer, load_prompt_set(set_name))
+    for set_name, raw_prompts in checked["prompt_sets"].items():
+        prompts = render_prompts(engine.tokenizer, raw_prompts)
         for temp in temps:
             params = SamplingParams(temperature=temp, top_p=args.top_p)
-            params.validate()
             for c in levels:
                 chosen = (prompts * (1 + max(c, args.num_prompts) // len(prompts)))[: max(c, args.num_prompts)]
                 measure(engine, chosen[:c], None, params, 16, args.seed, c)  # warm-up
@@ -95,7 +123,6 @@ def run(args) -> dict:
                              **plain, "speedup": 1.0})
                 for shape in shapes:
                     spec = dataclasses.replace(base_spec, shape=shape)
-                    spec.validate()
                     measure(engine, chosen[:c], spec, params, 16, args.seed, c)
                     res = measure(engine, chosen, spec, params, args.max_new_tokens, args.seed, c)
                     rows.append({"prompt_set": set_name, "temperature": temp, "concurrency": c, "mode": shape,
@@ -122,12 +149,9 @@ def print_table(out: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
+    args = build_parser().parse_args(argv)
+    with user_errors("torchspec-bench", args.debug):
         out = run(args)
-    except (ValueError, MemoryError) as e:
-        parser.exit(2, f"torchspec-bench: error: {e}\n")
     if not is_rank0():
         return
     print_table(out)

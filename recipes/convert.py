@@ -4,40 +4,57 @@
                       [--fit-samples N] [--fit-data chats.jsonl] [--layout torchspec|sglang|vllm]
                       [--set key=value ...]
 
-Read top to bottom: EAGLE-3 drafter -> target (checked against the drafter before its weights load)
--> EAGLE-4 config (preset from torchspec/conf/drafter/, sized like the EAGLE-3 drafter, ``--set`` overrides)
--> fit samples (the target's captured states on conversations, or on text the target samples
-itself) -> ``eagle3_to_eagle4`` -> report -> ``save_pretrained`` into a temp dir renamed into place.
-The choices the conversion makes are documented in ``torchspec/export/warm_start.py``.
+Read top to bottom: checks, before any model loads (options, OUT_DIR, the target's config.json, the
+EAGLE-3 files and config against the target, the EAGLE-4 config: preset from torchspec/conf/drafter/,
+sized like the EAGLE-3 drafter, ``--set`` overrides; the fit data) -> target -> EAGLE-3 weights -> fit
+samples (the target's captured states on conversations, or on text the target samples itself) ->
+``eagle3_to_eagle4`` -> report (with every config field taken from the target rather than EAGLE-3)
+-> ``save_pretrained`` into a temp dir renamed into place. User errors print one line and exit 2
+(``--debug``: the traceback). The choices the conversion makes are documented in
+``torchspec/export/warm_start.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import torch
 import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 import torchspec.conf
+from torchspec.cli import (
+    ArgumentParser,
+    check_at_least,
+    check_safetensors,
+    one_line,
+    read_json,
+    user_errors,
+    valid_keys_hint,
+)
 from torchspec.config import DrafterConfig
 from torchspec.data import collate, read_conversations, tokenize_conversation
 from torchspec.data.dataset import Example
-from torchspec.export.warm_start import eagle3_to_eagle4, format_report
+from torchspec.export.eagle3_layouts import load_layout, read_layout_config
+from torchspec.export.warm_start import check_compatible, eagle3_to_eagle4, format_report
 from torchspec.io import atomic_save_dir
 from torchspec.models import drafter_config_from_target
-from torchspec.models.eagle3 import Eagle3Drafter
-from torchspec.target import TargetModel, load_target_config, load_tokenizer, resolve_target_path
+from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
+from torchspec.models.eagle4 import Eagle4Config
+from torchspec.runtime.engine import SpeculativeEngine
+from torchspec.runtime.sampling import SamplingParams
+from torchspec.targets import TargetDecoder, load_target_config, load_tokenizer, resolve_target_path
 
 PRESET_DIR = Path(torchspec.conf.__file__).parent / "drafter"
 SIZE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="torchspec-convert", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="torchspec-convert", description=__doc__.split("\n")[0])
     p.add_argument("eagle3_dir", help="EAGLE-3 drafter directory (torchspec save_pretrained, or --layout)")
     p.add_argument("out_dir", help="where the EAGLE-4 drafter is written (save_pretrained format)")
     p.add_argument("--target", required=True, help="target the EAGLE-3 drafter was trained on (alias, .gguf, HF dir)")
@@ -70,21 +87,64 @@ def load_preset(name: str) -> dict:
     return merged
 
 
-def build_drafter_config(args: argparse.Namespace, e3: Eagle3Drafter) -> DrafterConfig:
-    fields = {**load_preset(args.drafter_preset), **{k: getattr(e3.config, k) for k in SIZE_FIELDS}}
-    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), fields, OmegaConf.from_dotlist(args.set))
-    d: DrafterConfig = OmegaConf.to_object(cfg)  # unknown keys are errors here
+def build_drafter_config(args: argparse.Namespace, e3_config: Eagle3Config) -> DrafterConfig:
+    valid = [f.name for f in dataclasses.fields(DrafterConfig)]
+    for item in args.set:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set sliding_window=null.")
+        if key not in valid:
+            hint = valid_keys_hint(key, valid)
+            raise ValueError(f"--set {item}: the drafter config has no key {key!r}; "
+                             + (f"{hint} valid keys: {sorted(valid)}." if hint.startswith("did") else f"{hint}."))
+    fields = {**load_preset(args.drafter_preset), **{k: getattr(e3_config, k) for k in SIZE_FIELDS}}
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), fields, OmegaConf.from_dotlist(args.set))
+        d: DrafterConfig = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:  # a value of the wrong type (--set or the preset file)
+        raise ValueError(f"--set {' '.join(args.set) or '(none)'} / --drafter-preset={args.drafter_preset}: "
+                         f"{one_line(err)}") from err
     if d.arch != "eagle4":
         raise ValueError(f"--drafter-preset={args.drafter_preset!r} builds arch={d.arch!r}; the warm start builds eagle4.")
     return d
 
 
-def load_eagle3(args: argparse.Namespace, num_layers: int, embed: torch.Tensor) -> Eagle3Drafter:
-    if args.layout == "torchspec":
-        return Eagle3Drafter.from_pretrained(args.eagle3_dir)
-    from torchspec.export.eagle3_layouts import load_layout
+def read_eagle3_config(args: argparse.Namespace, target_num_layers: int) -> Eagle3Config:
+    """The EAGLE-3 drafter's config, strictly, and its weights file's header: no weight is read yet."""
+    if args.layout != "torchspec":
+        return read_layout_config(args.eagle3_dir, args.layout, target_num_layers)
+    path = Path(args.eagle3_dir)
+    fix = ("pass the directory an EAGLE-3 drafter was saved to by torchspec (config.json + model.safetensors), "
+           "or --layout sglang|vllm for those layouts")
+    if not path.is_dir():
+        raise ValueError(f"{path} {'is a file' if path.exists() else 'does not exist'}; {fix}.")
+    config = read_json(path / "config.json", fix + ".")
+    if config.get("model_type") != Eagle3Config.model_type:
+        layout = ("vllm" if "speculators_model_type" in config else
+                  "sglang" if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) else None)
+        raise ValueError(f"{path / 'config.json'}: model_type={config.get('model_type')!r} is not a torchspec EAGLE-3 "
+                         f"drafter ({Eagle3Config.model_type!r}); "
+                         + (f"it is in the {layout} layout: pass --layout {layout}." if layout else f"{fix}."))
+    check_safetensors(path / "model.safetensors", fix + ".")
+    Eagle3Config.check_keys(config, source=str(path / "config.json"))
+    return Eagle3Config(**{k: v for k, v in config.items() if k in Eagle3Config.ARCH_FIELDS})
 
-    return load_layout(args.eagle3_dir, args.layout, target_num_layers=num_layers, embed_weight=embed)
+
+def check_out_dir(args: argparse.Namespace) -> None:
+    """OUT_DIR is replaced as a whole: it must be new, empty, or an earlier EAGLE-4 conversion."""
+    out, source = Path(args.out_dir), Path(args.eagle3_dir)
+    if out.exists() and source.exists() and out.resolve() == source.resolve():
+        raise ValueError(f"{out} is the EAGLE-3 drafter itself; write the EAGLE-4 drafter to a new directory.")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; pass a new or empty directory for the EAGLE-4 drafter.")
+    if out.is_dir() and any(out.iterdir()):
+        try:
+            ours = read_json(out / "config.json", "").get("model_type") == Eagle4Config.model_type
+        except ValueError:
+            ours = False
+        if not ours:
+            raise ValueError(f"{out} exists and is not an EAGLE-4 drafter directory; refusing to replace it. "
+                             f"Choose a new or empty directory.")
 
 
 def check_target(e3_cfg, target_cfg) -> None:
@@ -98,11 +158,12 @@ def check_target(e3_cfg, target_cfg) -> None:
 
 
 @torch.no_grad()
-def fit_batch(args: argparse.Namespace, target: TargetModel, tokenizer) -> dict[str, torch.Tensor]:
-    """[N, T] token ids (+ attention mask) to run EAGLE-3 on for the fit."""
-    if args.fit_data:
+def fit_batch(args: argparse.Namespace, target: TargetDecoder, tokenizer,
+              conversations: list | None) -> dict[str, torch.Tensor]:
+    """[N, T] token ids (+ attention mask) to run EAGLE-3 on for the fit: ``conversations`` (--fit-data,
+    read before anything loaded), or text the target samples."""
+    if conversations is not None:
         examples = []
-        conversations, _ = read_conversations(args.fit_data, limit=args.fit_samples)
         for messages in conversations:
             ids, mask = tokenize_conversation(tokenizer, messages, args.fit_length)
             examples.append(Example(torch.tensor(ids), torch.tensor(mask)))
@@ -111,38 +172,44 @@ def fit_batch(args: argparse.Namespace, target: TargetModel, tokenizer) -> dict[
         return collate(examples, tokenizer.pad_token_id or 0)
     gen = torch.Generator().manual_seed(args.seed)
     start = torch.randint(0, target.vocab_size, (args.fit_samples, 1), generator=gen)
-    torch.manual_seed(args.seed)
-    ids = target.hf_model.generate(start, attention_mask=torch.ones_like(start), do_sample=True,
-                                   max_new_tokens=args.fit_length - 1, min_new_tokens=args.fit_length - 1,
-                                   pad_token_id=0)
+    # The target samples the rest (top-k 50, transformers' default) through the serving engine.
+    engine = SpeculativeEngine(target, max_batch=args.fit_samples, max_context=args.fit_length + 16)
+    out = engine.generate(start.tolist(), max_new_tokens=args.fit_length - 1, seed=args.seed, ignore_eos=True,
+                          sampling=SamplingParams(temperature=1.0, top_k=50))
+    ids = torch.cat([start, torch.tensor([r.token_ids for r in out])], 1)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
+    with user_errors("torchspec-convert", args.debug):
         convert(args)
-    except ValueError as err:  # user errors: a message naming the problem, no traceback
-        print(f"torchspec-convert: error: {err}", file=sys.stderr)
-        sys.exit(2)
 
 
 def convert(args: argparse.Namespace) -> None:
+    # Everything a user passes is checked before a model loads: options, OUT_DIR, the target's config,
+    # the EAGLE-3 files and config (against the target), the EAGLE-4 config, the fit data.
+    check_at_least("--fit-samples", args.fit_samples, 1)
+    check_at_least("--fit-length", args.fit_length, 2)
+    check_out_dir(args)
     target_path = resolve_target_path(args.target, os.path.expanduser(args.cache_dir))
     target_cfg = load_target_config(target_path).get_text_config()
-    if args.layout == "torchspec":  # check before the target's weights load
-        e3 = Eagle3Drafter.from_pretrained(args.eagle3_dir)
-        check_target(e3.config, target_cfg)
-    target = TargetModel.from_pretrained(target_path, aux_layer_ids=None if args.layout != "torchspec"
-                                         else list(e3.config.aux_layer_ids))
-    if args.layout != "torchspec":
-        e3 = load_eagle3(args, target.num_layers, target.embed_tokens_weight)
-        check_target(e3.config, target_cfg)
-        target = TargetModel(target.hf_model, list(e3.config.aux_layer_ids))
-    e4_config = drafter_config_from_target(build_drafter_config(args, e3), target.config, e3.config.aux_layer_ids)
+    e3_config = read_eagle3_config(args, target_cfg.num_hidden_layers)
+    check_target(e3_config, target_cfg)
+    aux_ids = list(e3_config.aux_layer_ids)
+    e4_config = drafter_config_from_target(build_drafter_config(args, e3_config), target_cfg, aux_ids)
+    check_compatible(e3_config, e4_config)
+    conversations = read_conversations(args.fit_data, limit=args.fit_samples)[0] if args.fit_data else None
+    tokenizer = load_tokenizer(target_path)
 
-    batch = fit_batch(args, target, load_tokenizer(target_path))
-    out = target(batch["input_ids"], attention_mask=batch["attention_mask"])
+    target = TargetDecoder.from_pretrained(target_path, aux_layer_ids=aux_ids)
+    if args.layout == "torchspec":
+        e3 = Eagle3Drafter.from_pretrained(args.eagle3_dir)
+    else:  # a checkpoint without the embedding takes the target's
+        e3 = load_layout(args.eagle3_dir, args.layout, target_num_layers=target.num_layers,
+                         embed_weight=target.embed_tokens_weight)
+    batch = fit_batch(args, target, tokenizer, conversations)
+    out = target.capture(batch["input_ids"], attention_mask=batch["attention_mask"])
     e4, report = eagle3_to_eagle4(e3, e4_config, target_lm_head=target.lm_head_weight,
                                   fit_tokens=batch["input_ids"], fit_aux=out.aux_hidden_states,
                                   fit_attention_mask=batch["attention_mask"], seed=args.seed)

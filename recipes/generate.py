@@ -7,28 +7,32 @@
 Prompts come from ``--prompt`` (repeatable), ``--prompts-file`` (.txt lines / .jsonl) or
 ``--prompt-set mtbench|humaneval``; chat-templated unless ``--raw``. ``--json PATH`` (or ``-``)
 writes tokens, text, the acceptance length of every round and timings per prompt.
-User errors exit 2 with ``torchspec-generate: error: ...``.
+Every option is checked before a model loads; user errors print one line,
+``torchspec-generate: error: ...``, and exit 2 (``--debug``: the traceback).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
+from torchspec.cli import ArgumentParser, check_at_least, user_errors
 from torchspec.runtime.cli import (
     add_engine_args,
     add_sampling_args,
     add_spec_args,
+    check_engine_args,
+    check_output_file,
     engine_kwargs,
+    read_prompt_set,
     sampling_from_args,
     spec_from_args,
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchspec-generate", description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="torchspec-generate", description=__doc__.split("\n\n")[0])
     src = p.add_argument_group("prompts")
     src.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     src.add_argument("--prompts-file", default=None, help=".txt (one per line) or .jsonl")
@@ -44,12 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def collect_prompts(args) -> list:
-    from torchspec.runtime.prompts import load_prompt_set
-
     prompts: list = list(args.prompt)
     for source in (args.prompts_file, args.prompt_set):
         if source:
-            prompts += load_prompt_set(source)
+            prompts += read_prompt_set(source)
     if args.num_prompts:
         prompts = prompts[: args.num_prompts]
     if not prompts:
@@ -57,14 +59,25 @@ def collect_prompts(args) -> list:
     return prompts
 
 
+def check_args(args):
+    """Every option, before a model loads. Returns (sampling params, spec or None)."""
+    params, spec = sampling_from_args(args), spec_from_args(args)
+    if spec is not None and args.drafter is None:
+        raise ValueError("speculation needs --drafter PATH (a torchspec export); or pass --no-spec.")
+    check_at_least("--max-new-tokens", args.max_new_tokens, 1)
+    check_at_least("--num-prompts", args.num_prompts, 1)
+    check_engine_args(args, spec)
+    if args.json not in (None, "-"):
+        check_output_file("--json", args.json)
+    return params, spec
+
+
 def run(args) -> dict:
     from torchspec.runtime.loading import load_engine
     from torchspec.runtime.prompts import render_prompts
     from torchspec.runtime.tp import check_tp_consistency, init_tp_from_env
 
-    params, spec = sampling_from_args(args), spec_from_args(args)
-    if spec is not None and args.drafter is None:
-        raise ValueError("speculation needs --drafter PATH (a torchspec export); or pass --no-spec.")
+    params, spec = check_args(args)
     prompts = collect_prompts(args)
     tp_group, device = init_tp_from_env()  # under torchrun: the target is tensor-parallel over all ranks
     kwargs = engine_kwargs(args)
@@ -86,12 +99,9 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
+    args = build_parser().parse_args(argv)
+    with user_errors("torchspec-generate", args.debug):
         out = run(args)
-    except (ValueError, MemoryError) as e:
-        parser.exit(2, f"torchspec-generate: error: {e}\n")
     from torchspec.runtime.tp import is_rank0
 
     if not is_rank0():
@@ -105,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
             from torchspec.io import atomic_write_text
 
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(Path(args.json), text)
     if args.json != "-":
         for r in out["results"]:

@@ -7,7 +7,8 @@
 One launch owns everything: world = dp x tp; the target is tensor-parallel over groups of
 ``parallel.target_tp`` consecutive ranks, the drafter data-parallel over every rank (engine
 ``none`` | ``fsdp2`` | ``deepspeed``), and every rank trains on its own sequences.
-Read top to bottom: config -> distributed -> target -> data -> drafter -> engine -> resume -> loop -> save.
+Read top to bottom: config -> distributed -> checks (target config, tokenizer, data; nothing is written before
+they pass) -> output dir -> target -> drafter -> engine -> resume -> loop -> save.
 """
 
 from __future__ import annotations
@@ -15,61 +16,65 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from torchspec.config import Config, register_configs, validate_against_target, validate_config
+from torchspec.cli import user_errors
+from torchspec.config import Config, validate_against_target
 from torchspec.data import ResumableBatchSampler, build_datasets, collate, shard_for_rank
 from torchspec.data.packing import pack_examples
-from torchspec.data.vocab import build_vocab_mapping, token_frequencies, vocab_coverage
 from torchspec.distributed import DistInfo, barrier, build_mesh, init_distributed, is_rank0, seed_everything
-from torchspec.export.serving import is_export, load_exported_drafter
-from torchspec.io import atomic_save_dir, atomic_write_text
+from torchspec.export.serving import export_drafter, is_export, load_exported_drafter, target_identity
 from torchspec.models import build_drafter
-from torchspec.target import TargetModel, load_target_config, load_tokenizer, resolve_target_path
-from torchspec.target.parallelize import load_tp_target
-from torchspec.train.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from torchspec.targets import TargetDecoder, load_target_config, load_tokenizer, resolve_target_path
+from torchspec.train.checkpoint import (
+    find_resume_checkpoint,
+    load_checkpoint,
+    publish_if_written,
+    save_checkpoint,
+)
+from torchspec.train.compose import build_config, compose_config, train_help
 from torchspec.train.engine import OptimConfig, build_engine
 from torchspec.train.metrics import MetricsLogger, plot_metrics
 from torchspec.train.optim import resolve_precision, resolve_target_dtype, warmup_cosine
+from torchspec.train.run_dir import (
+    DONE,
+    LOG_FORMAT,
+    check_output_dir,
+    claim_output_dir,
+    finished_run,
+    log_file,
+    mark_done,
+)
 from torchspec.train.step import StepStats, TTTOptions, evaluate, train_step
 from torchspec.train.ttt import HeadLossConfig
 
 log = logging.getLogger("torchspec.train")
-register_configs()
 
 
-def build_config(raw: DictConfig) -> Config:
-    cfg: Config = OmegaConf.to_object(raw)
-    validate_config(cfg)
-    return cfg
-
-
-def build_target(cfg: Config, info: DistInfo, mesh) -> tuple[TargetModel, str, list[int]]:
-    """tp=1: the whole target on this rank. tp>1: built on meta, sharded, and each rank reads only its shards."""
+def build_target(cfg: Config, info: DistInfo, mesh) -> tuple[TargetDecoder, str, list[int]]:
+    """Built on meta, then each rank reads only its slices: the whole target at tp=1, else its tp group's shard."""
     path = resolve_target_path(cfg.target.path, os.path.expanduser(cfg.target.cache_dir))
     aux_ids = validate_against_target(cfg, load_target_config(path))  # before any weight loads
     dtype = resolve_target_dtype(cfg.target.dtype, info.device)
-    if cfg.parallel.target_tp > 1:
-        return load_tp_target(path, mesh["tp"], aux_layer_ids=aux_ids, dtype=dtype), path, aux_ids
-    return TargetModel.from_pretrained(path, aux_layer_ids=aux_ids, dtype=dtype).to(info.device), path, aux_ids
+    tp_group = mesh["tp"].get_group() if cfg.parallel.target_tp > 1 else None
+    target = TargetDecoder.from_pretrained(path, aux_layer_ids=aux_ids, dtype=dtype, device=info.device,
+                                           tp_group=tp_group)
+    return target, path, aux_ids
 
 
-def build_model(cfg: Config, target: TargetModel, aux_ids: list[int], train_set):
+def build_model(cfg: Config, target: TargetDecoder, aux_ids: list[int], train_set):
     drafter = build_drafter(cfg.drafter, target.config, aux_ids)
-    if hasattr(drafter, "set_vocab_mapping"):  # pruned draft vocabulary (EAGLE-3), from the train split only
-        freqs = token_frequencies(train_set, target.vocab_size)
-        d2t, t2d = build_vocab_mapping(freqs, drafter.config.draft_vocab_size)
-        drafter.set_vocab_mapping(d2t, t2d)
-        log.info("draft vocabulary %d / %d covers %.1f%% of assistant tokens", drafter.config.draft_vocab_size,
-                 target.vocab_size, 100 * vocab_coverage(freqs, t2d))
+    fitted = drafter.fit_vocab(train_set)  # EAGLE-3: pruned draft vocabulary from the train split only
+    if fitted:
+        log.info(fitted)
     drafter.init_from_target(target.embed_tokens_weight, target.lm_head_weight, cfg.drafter.init_lm_head_from_target)
     if cfg.train.init_from:
         load_initial_weights(drafter, cfg.train.init_from, target)
@@ -77,7 +82,7 @@ def build_model(cfg: Config, target: TargetModel, aux_ids: list[int], train_set)
     return drafter.float().train()
 
 
-def load_initial_weights(drafter, path: str, target: TargetModel) -> None:
+def load_initial_weights(drafter, path: str, target: TargetDecoder) -> None:
     """train.init_from: copy every weight (and an EAGLE-3 vocab mapping) from a saved drafter whose
     architecture equals the configured one; the target pairing is checked for exports."""
     if not (Path(path) / "config.json").is_file():
@@ -100,8 +105,6 @@ def load_initial_weights(drafter, path: str, target: TargetModel) -> None:
     if missing or unexpected or misshaped:
         raise ValueError(f"train.init_from={path!r}: missing tensors {missing[:8]}, unexpected {unexpected[:8]}, "
                          f"mis-shaped {misshaped[:8]}; it was not written for this drafter config.")
-    if hasattr(drafter, "set_vocab_mapping"):
-        drafter.set_vocab_mapping(state["d2t"], state["t2d"], force=True)  # the weights come with their mapping
     drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     log.info("initialised all drafter weights from %s (weights only; optimizer and schedule start fresh)", path)
 
@@ -138,55 +141,81 @@ def eval_batches(eval_set, batch_size: int, pad_id: int, limit: int | None, info
     return [to_device(b, info.device) for b in batches]
 
 
-CONF_DIR = "pkg://torchspec.conf"  # the configs ship inside the package (pip install . works)
+def main(argv: list[str] | None = None) -> None:
+    """``torchspec-train [group=option | key=value ...]``: Hydra overrides of torchspec/conf/train.yaml.
 
-
-@hydra.main(config_path=CONF_DIR, config_name="train", version_base=None)
-def main(raw: DictConfig) -> None:
+    Composed with Hydra's compose API, not ``@hydra.main``: hydra.main creates its run directory (here
+    train.output_dir) before the recipe validates anything, and reports its own errors in several lines
+    with exit 1. Here nothing is written before validation and every user error is one line, exit 2
+    (torchspec/cli.py); ``TORCHSPEC_DEBUG=1`` (or ``--debug``) shows the traceback instead."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(train_help(__doc__))
+        return
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stdout)
+    handlers = list(logging.getLogger().handlers)
     try:
-        train(raw)
-    except ValueError as err:  # user errors: a message that names the problem and the fix, no traceback
-        print(f"torchspec-train: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        with user_errors("torchspec-train", debug="--debug" in argv):
+            train(compose_config([a for a in argv if a != "--debug"]))
+    finally:  # the run's train.log handler (see train) goes with the run
+        for handler in set(logging.getLogger().handlers) - set(handlers):
+            logging.getLogger().removeHandler(handler)
+            handler.close()
 
 
 def train(raw: DictConfig) -> None:
     cfg = build_config(raw)
     t = cfg.train
+    check_output_dir(raw, t.output_dir)  # before anything else: an existing run's directory is not for another run
+    if (finished := finished_run(cfg)) is not None:  # touches no file, loads nothing
+        if os.environ.get("RANK", "0") == "0":
+            print(finished)
+        return
     if t.num_threads:
         torch.set_num_threads(t.num_threads)
     info = init_distributed(timeout_minutes=cfg.parallel.dist_timeout_minutes)
     mesh = build_mesh(info.world_size, cfg.parallel.target_tp, info.device.type)
     tp_group = mesh["tp"].get_group() if cfg.parallel.target_tp > 1 else None
     rank0 = is_rank0()
-    out_dir = Path(t.output_dir)
-    if rank0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(raw, resolve=True))
 
     started = time.time()
-    target, target_path, aux_ids = build_target(cfg, info, mesh)
-    log.info("target %s: %d layers, hidden %d, vocab %d, aux layers %s; world %d = dp %d x tp %d",
-             target_path, target.num_layers, target.hidden_size, target.vocab_size, aux_ids,
-             info.world_size, info.world_size // cfg.parallel.target_tp, cfg.parallel.target_tp)
+    # Everything a user can get wrong is checked before the output directory is touched and before a
+    # weight loads: the target's config (aux ids, sizes), its tokenizer, the data, the resume source.
+    target_path = resolve_target_path(cfg.target.path, os.path.expanduser(cfg.target.cache_dir))
+    validate_against_target(cfg, load_target_config(target_path))
+    resume_from = find_resume_checkpoint(t.output_dir, t.resume)  # verified (hashed) once, here
+    if t.init_from and not (Path(t.init_from) / "config.json").is_file():
+        raise ValueError(f"train.init_from={t.init_from!r}: no config.json there; pass a drafter directory "
+                         f"(save_pretrained, torchspec-export or torchspec-convert output).")
     tokenizer = load_tokenizer(target_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     d = cfg.data
     train_set, eval_set, skips = build_datasets(
         d.path, tokenizer, fmt=d.format, max_length=d.max_length, eval_size=d.eval_size, seed=d.seed,
         max_conversations=d.max_conversations, on_too_long=d.on_too_long, chat_template=d.chat_template)
-    log.info("data: %d train / %d held-out sequences; %s", len(train_set), len(eval_set), skips.summary())
+    conversations = len(train_set)
     if d.pack:  # several conversations per training row; the held-out set stays one per row
         train_set = pack_examples(train_set, d.max_length)
+    global_batch = t.micro_batch_size * info.world_size  # every rank takes its own micro_batch_size rows
+    sampler = ResumableBatchSampler(len(train_set), global_batch, seed=t.seed)
+
+    out_dir = Path(t.output_dir)
+    if rank0:  # validated: now the run may write
+        claim_output_dir(raw, t.output_dir)
+        logging.getLogger().addHandler(log_file(out_dir / "train.log"))
+    log.info("data: %d train / %d held-out sequences; %s", conversations, len(eval_set), skips.summary())
+    if d.pack:
         log.info("data.pack: %d training rows of up to %d tokens", len(train_set), d.max_length)
+    target, target_path, aux_ids = build_target(cfg, info, mesh)
+    log.info("target %s: %d layers, hidden %d, vocab %d, aux layers %s; world %d = dp %d x tp %d",
+             target_path, target.num_layers, target.hidden_size, target.vocab_size, aux_ids,
+             info.world_size, info.world_size // cfg.parallel.target_tp, cfg.parallel.target_tp)
 
     seed_everything(t.seed)  # the same drafter initialisation on every rank
     drafter = build_model(cfg, target, aux_ids, train_set)
     log.info("drafter %s: %.1fM trainable parameters", cfg.drafter.arch,
              sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6)
     engine = build_train_engine(cfg, drafter, info)
-    global_batch = t.micro_batch_size * info.world_size  # every rank takes its own micro_batch_size rows
-    sampler = ResumableBatchSampler(len(train_set), global_batch, seed=t.seed)
     held_out = eval_batches(eval_set, t.micro_batch_size, pad_id, t.eval_batches, info)
     held_out_captures: dict = {}  # the frozen target's outputs on held_out, reused by later evals
     opts = TTTOptions(t.ttt_steps, t.step_decay, cfg.drafter.moe_aux_loss_coef if cfg.drafter.moe else 0.0,
@@ -194,7 +223,6 @@ def train(raw: DictConfig) -> None:
                       HeadLossConfig(t.loss_chunk_gib, t.loss_backend))
 
     step = 0
-    resume_from = find_resume_checkpoint(out_dir, t.resume)
     if resume_from is not None:
         state = load_checkpoint(resume_from, engine, global_batch)
         sampler.load_state_dict({k: state["sampler"][k] for k in ("epoch", "position")})
@@ -213,13 +241,20 @@ def train(raw: DictConfig) -> None:
                  step, metrics["eval/acceptance_length"], metrics["eval/acc_0"], metrics["eval/loss"])
         return metrics
 
-    def save() -> None:
+    def save(final_eval: dict[str, float] | None = None) -> None:
         extra = {"name": cfg.name, "aux_layer_ids": aux_ids}
-        if hasattr(engine.drafter, "d2t"):
-            extra["vocab_mapping"] = (engine.drafter.d2t.detach().cpu().clone(), engine.drafter.t2d.detach().cpu().clone())
+        mapping = engine.drafter.vocab_mapping()  # EAGLE-3's (d2t, t2d); None for a full-vocabulary head
+        if mapping is not None:
+            extra["vocab_mapping"] = tuple(m.detach().cpu().clone() for m in mapping)
+        if final_eval is not None:  # already in metrics.jsonl: a resume from this checkpoint must not log it again
+            extra["final_eval"] = {k: float(v) for k, v in final_eval.items()}
+        # The final checkpoint is written synchronously: the export and DONE come only after it is published.
         save_checkpoint(out_dir, step, engine, {**sampler.state_dict(), "batch_size": global_batch}, extra,
-                        t.keep_checkpoints)
+                        t.keep_checkpoints, async_save=t.async_checkpoint and final_eval is None)
 
+    start_step = step  # >= max_steps: resumed from the final checkpoint, the end of the run is what is left
+    if rank0 and step < t.max_steps:
+        (out_dir / DONE).unlink(missing_ok=True)  # a finished run continued (train.max_steps raised) or restarted
     if step == 0:
         run_eval()
     crash_after = int(os.environ.get("TORCHSPEC_CRASH_AFTER_STEP", "-1"))
@@ -227,7 +262,7 @@ def train(raw: DictConfig) -> None:
     bar = tqdm(total=t.max_steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2, disable=not rank0)
     while step < t.max_steps:
         micro = [to_device(collate([train_set[i] for i in shard_for_rank(sampler.next_batch(), info.rank, info.world_size)],
-                                   pad_id), info.device) for _ in range(t.grad_accum)]
+                                   pad_id, packed=d.pack), info.device) for _ in range(t.grad_accum)]
         grad_norm = train_step(target, engine, micro, opts, stats, tp_group)
         step += 1
         bar.update(1)
@@ -241,6 +276,7 @@ def train(raw: DictConfig) -> None:
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc0=f"{metrics['train/acc_0']:.2f}",
                             al=f"{metrics['train/acceptance_length']:.2f}")
             stats, tick = StepStats(), time.time()
+            publish_if_written()  # an async checkpoint whose write has finished
         if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
             run_eval()
         if t.save_every and step % t.save_every == 0 and step < t.max_steps:
@@ -249,24 +285,37 @@ def train(raw: DictConfig) -> None:
             os._exit(17)
     bar.close()
 
-    final = run_eval()
-    save()
-    export_drafter(cfg, engine, target, aux_ids, train_set, out_dir / "drafter")
+    # The end, in an order a kill at any moment can be resumed from without repeating a line of
+    # metrics.jsonl: final eval (logged) -> final checkpoint (records that eval) -> serving export ->
+    # DONE. A rerun killed after the final checkpoint resumes at max_steps and only exports and marks.
+    if resume_from is not None and step == start_step and "final_eval" in state["extra"]:
+        final = state["extra"]["final_eval"]
+        log.info("step %d: the final checkpoint's held-out eval is logged already; writing the export", step)
+    else:
+        final = run_eval()
+        save(final_eval=final)
+    dtype = "float32" if resolve_precision(t.precision, info.device) is None else "bfloat16"
+    export_for_serving(cfg, engine, target, aux_ids, out_dir / "drafter", dtype)
     logger.close()
-    if rank0 and t.plot and (out_dir / "metrics.jsonl").exists():
-        plot_metrics(out_dir / "metrics.jsonl", out_dir / "training.png")
-    log.info("done in %.1fs: held-out acceptance length %.3f; drafter saved to %s",
+    if rank0:
+        if t.plot and (out_dir / "metrics.jsonl").exists():
+            plot_metrics(out_dir / "metrics.jsonl", out_dir / "training.png")
+        mark_done(out_dir, step, final)
+    log.info("done in %.1fs: held-out acceptance length %.3f; serving export in %s",
              time.time() - started, final["eval/acceptance_length"], out_dir / "drafter")
     barrier()
 
 
-def export_drafter(cfg: Config, engine, target, aux_ids: list[int], train_set, path: Path) -> None:
-    """Collective: gather the full drafter weights; rank 0 writes them in save_pretrained format."""
+def export_for_serving(cfg: Config, engine, target, aux_ids: list[int], path: Path, dtype: str) -> None:
+    """Collective: gather the full drafter weights; rank 0 writes the serving export (the format of
+    torchspec-export: strict config.json + model.safetensors + target fingerprint), atomically."""
     state = engine.drafter_state_dict()
     if is_rank0():
         drafter = build_drafter(cfg.drafter, target.config, aux_ids)
         drafter.load_state_dict(state, strict=True)
-        atomic_save_dir(path, lambda tmp: drafter.save_pretrained(tmp))
+        if path.is_dir() and any(path.iterdir()) and not is_export(path):
+            shutil.rmtree(path)  # the save_pretrained drafter/ of a run trained before exports were written here
+        export_drafter(drafter, path, dtype=dtype, target_identity=target_identity(target))
 
 
 if __name__ == "__main__":

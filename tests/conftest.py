@@ -38,7 +38,7 @@ def tiny_tokenizer():
 
 @pytest.fixture(scope="session", params=["llama", "qwen3"])
 def tiny_target_dir(request, tmp_path_factory, tiny_tokenizer):
-    from torchspec.target import build_tiny_target
+    from torchspec.targets import build_tiny_target
 
     out = tmp_path_factory.mktemp(f"tiny_{request.param}")
     return build_tiny_target(str(out), flavour=request.param, vocab_size=384, tokenizer=tiny_tokenizer)
@@ -46,7 +46,7 @@ def tiny_target_dir(request, tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
-    from torchspec.target import build_tiny_target
+    from torchspec.targets import build_tiny_target
 
     out = tmp_path_factory.mktemp("tiny_llama")
     return build_tiny_target(str(out), flavour="llama", vocab_size=384, tokenizer=tiny_tokenizer)

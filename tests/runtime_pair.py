@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torchspec.config import DrafterConfig
 from torchspec.export.serving import export_drafter, target_identity
 from torchspec.models import build_drafter
-from torchspec.target import TargetModel, build_tiny_target
+from torchspec.targets import TargetDecoder, build_tiny_target
 
 AUX = [1, 2, 3]
 
@@ -36,7 +36,7 @@ def build_pair(root, tokenizer=None, *, flavour: str = "llama", vocab_size: int 
             weights[name] = weights[name] * mix
     save_file(weights, f"{target_dir}/model.safetensors", metadata={"format": "pt"})
 
-    target = TargetModel.from_pretrained(target_dir, aux_layer_ids=AUX)
+    target = TargetDecoder.from_pretrained(target_dir, aux_layer_ids=AUX)
     cfg = DrafterConfig(sliding_window=sliding_window, lm_head_rank=lm_head_rank, lm_head_topk=lm_head_topk)
     torch.manual_seed(seed + 1)
     drafter = build_drafter(cfg, target.config, AUX)

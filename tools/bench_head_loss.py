@@ -120,7 +120,7 @@ def main() -> None:
                 if device == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
-                ms = timed(lambda: run_case(impl, scorer, inputs, args.chunk_gib), 1, args.iters, device)
+                ms = timed(lambda impl=impl, scorer=scorer, inputs=inputs: run_case(impl, scorer, inputs, args.chunk_gib), 1, args.iters, device)
                 peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
                 for p in inputs[:4]:
                     p.grad = None

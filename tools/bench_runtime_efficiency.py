@@ -51,10 +51,9 @@ def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed:
                  tp_group=None):
     from torchspec.config import DrafterConfig
     from torchspec.models import build_drafter
-    from torchspec.runtime.decoder import TargetDecoder
     from torchspec.runtime.drafter_runner import DrafterRunner
     from torchspec.runtime.engine import SpeculativeEngine
-    from torchspec.target.capture import default_aux_layer_ids
+    from torchspec.targets import TargetDecoder, default_aux_layer_ids
 
     cfg = hf_config(shape)
     torch.manual_seed(seed)

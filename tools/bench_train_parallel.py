@@ -4,7 +4,7 @@
 
 Builds a random-weight target of realistic depth (default: Qwen3-8B shape: 36 layers, hidden
 4096, 32/8 heads of dim 128, intermediate 12288, vocabulary 151,936), shards it with the
-project's TP plan (``apply_tp``), builds the EAGLE-4 drafter at the matching shape (efficient
+project's TP plan (``TargetDecoder`` over the mesh's tp group), builds the EAGLE-4 drafter at the matching shape (efficient
 head included) under the FSDP2 engine over every rank, and times per micro-batch size:
 
 * target: the tp group's union forward + capture + scatter + fp32 target logits,
@@ -26,32 +26,35 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config
 
 from torchspec.config import DrafterConfig
 from torchspec.distributed import build_mesh, init_distributed
 from torchspec.models import build_drafter
-from torchspec.target.capture import TargetModel, default_aux_layer_ids
-from torchspec.target.parallelize import apply_tp
+from torchspec.targets import TargetDecoder, default_aux_layer_ids
 from torchspec.train.engine import OptimConfig, build_engine
+from torchspec.train.loss import TeacherHead
 from torchspec.train.optim import warmup_cosine
 from torchspec.train.step import StepStats, TTTOptions, global_denominators, target_forward, train_step
-from torchspec.train.loss import TeacherHead
 
 
-def build_target(args, mesh, device) -> TargetModel:
+def build_target(args, mesh, device) -> TargetDecoder:
+    """Random weights, built directly at this rank's shard sizes (each rank of a tp group draws its own shard)."""
     cfg = Qwen3Config(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate,
                       vocab_size=args.vocab, tie_word_embeddings=False, max_position_embeddings=32768)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
-        model = Qwen3ForCausalLM(cfg)
+        model = TargetDecoder(cfg, default_aux_layer_ids(args.layers),
+                              tp_group=mesh["tp"].get_group() if args.tp > 1 else None)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
     torch.set_default_dtype(torch.float32)
-    if args.tp > 1:
-        apply_tp(model, mesh["tp"])
+    model.rope.to(device)
     torch.cuda.empty_cache()
-    return TargetModel(model, default_aux_layer_ids(args.layers))
+    return model
 
 
 def timed(fn, warmup: int, iters: int) -> float:

@@ -62,7 +62,7 @@ def main() -> None:
     if args.tiny:
         from tests.runtime_pair import build_pair
         from torchspec.data import build_tiny_tokenizer
-        from torchspec.target import build_tiny_target
+        from torchspec.targets import build_tiny_target
 
         root = pathlib.Path(tempfile.mkdtemp())
         target, drafter = build_pair(root, build_tiny_tokenizer(384))

@@ -26,7 +26,7 @@ from pathlib import Path
 from torchspec.data import ResumableBatchSampler, build_datasets, collate
 from torchspec.data.dataset import Example
 from torchspec.data.packing import pack_examples
-from torchspec.target import load_tokenizer, resolve_target_path
+from torchspec.targets import load_tokenizer, resolve_target_path
 
 
 def epoch_stats(rows: list[Example], micro_batch_size: int, seed: int) -> dict[str, float]:

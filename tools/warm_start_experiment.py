@@ -29,9 +29,9 @@ from torchspec.data.vocab import build_vocab_mapping  # noqa: E402
 from torchspec.export.warm_start import attention_fit_error, eagle3_to_eagle4, format_report  # noqa: E402
 from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter  # noqa: E402
-from torchspec.target import TargetModel, build_tiny_target  # noqa: E402
-from torchspec.train.ttt import summarize, ttt_unroll, valid_counts  # noqa: E402
+from torchspec.targets import TargetDecoder, build_tiny_target  # noqa: E402
 from torchspec.train.loss import TeacherHead
+from torchspec.train.ttt import summarize, ttt_unroll, valid_counts  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,7 +62,7 @@ def main() -> None:
     target_dir = build_tiny_target(tempfile.mkdtemp(prefix="ws_target_"), vocab_size=v, num_layers=8, hidden_size=h,
                                    num_heads=4, num_kv_heads=2, tokenizer=tok, initializer_range=0.1)
     aux_ids = [1, 3, 4]  # [1, L//2 - 1, L - 4] for L = 8
-    target = TargetModel.from_pretrained(target_dir, aux_layer_ids=aux_ids)
+    target = TargetDecoder.from_pretrained(target_dir, aux_layer_ids=aux_ids)
 
     def batch(seed: int, n: int):
         exs = []
@@ -70,7 +70,7 @@ def main() -> None:
             ids, mask = tokenize_conversation(tok, conv["messages"], 256)
             exs.append(Example(torch.tensor(ids), torch.tensor(mask)))
         b = collate(exs, 0)
-        out = target(b["input_ids"], b["attention_mask"])
+        out = target.capture(b["input_ids"], b["attention_mask"])
         return b, out.aux_hidden_states, target.target_logits(out.last_hidden_state)
 
     train = [batch(1000 + i, 8) for i in range(16)]

@@ -1,6 +1,6 @@
 """Typed configuration: dataclass schemas registered in Hydra's ConfigStore, and validation.
 
-``conf/train.yaml`` composes one file from each group (``drafter/``, ``target/``, ``data/``,
+``torchspec/conf/train.yaml`` composes one file from each group (``drafter/``, ``target/``, ``data/``,
 ``train/``, ``parallel/``) on top of the ``train_schema`` node stored here, so every key is typed
 and an unknown key is an error at composition time. ``validate_config`` then checks the values
 that need more than a type (ranges, choices, combinations) and ``validate_against_target`` the
@@ -9,10 +9,13 @@ ones that need the target's config.json — all before any weight is loaded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+
+from torchspec.models import DRAFTERS, all_drafter_keys, arch_display_name, drafter_keys
 
 
 @dataclass
@@ -27,36 +30,34 @@ class TargetConfig:
 
 
 @dataclass
-class DrafterConfig:
+class DrafterTrainingConfig:
+    """The drafter.* keys that are training settings, not architecture (never in config.json)."""
+
     arch: str = "eagle4"  # key of torchspec.models.DRAFTERS: eagle4 | eagle3
-    draft_vocab_size: int | None = None  # EAGLE-3 pruned vocabulary; null = full target vocabulary
-    # Sizes: null means "take the target's" (hidden size always equals the target's).
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int | None = None
-    fc_norm: bool = True
-    fc_post_norm: bool = True
-    norm_output: bool = True
-    pre_attn_norm: bool = True
-    sliding_window: int | None = 4096  # step-0 keys within this many positions; null = full causal
-    nope: bool = False  # no positional encoding at all
     # auto (flex on CUDA, chunked elsewhere) | chunked (SDPA per query block) | flex (CUDA) | eager (reference)
     attn_backend: str = "auto"
-    lm_head_rank: int = 0  # efficient LM head scorer rank; 0 = dense head only
-    lm_head_topk: int = 128  # candidates re-scored by the full head
-    lowrank_coef: float = 1.0  # weight of the scorer's distillation loss
+    lowrank_coef: float = 1.0  # weight of the efficient head scorer's distillation loss (needs lm_head_rank)
     lowrank_teacher: str = "target"  # target (its distribution) | full (the drafter's full head)
-    moe: bool = False
-    moe_num_experts: int = 8
-    moe_top_k: int = 2
-    moe_intermediate_size: int | None = None
-    moe_shared_expert: bool = False
-    moe_norm_topk_prob: bool = True
-    moe_extra_norm: bool = True
-    moe_aux_loss_coef: float = 0.01  # load-balancing loss weight (training setting, not architecture)
+    moe_aux_loss_coef: float = 0.01  # MoE load-balancing loss weight (needs moe)
     init_lm_head_from_target: bool = True
     freeze_lm_head: bool = False
+
+
+# Training keys every architecture reads, and those that tune one architecture feature (used by the
+# architectures that declare that flag).
+_ALWAYS_USED = {"arch", "attn_backend", "init_lm_head_from_target", "freeze_lm_head"}
+_TRAINING_KEY_FEATURE = {"lowrank_coef": "lm_head_rank", "lowrank_teacher": "lm_head_rank", "moe_aux_loss_coef": "moe"}
+
+# drafter.*: the training keys above plus every architecture flag, DERIVED from the model configs'
+# ARCH_FIELDS (torchspec/models/eagle4.py, eagle3.py: the one place a flag, its default and meaning
+# are declared). Defaults are EAGLE-4's; sizes default to null = the target's.
+DrafterConfig = make_dataclass(
+    "DrafterConfig",
+    [(name, flag.annotation, field(default=flag.default)) for name, flag in all_drafter_keys().items()],
+    bases=(DrafterTrainingConfig,),
+)
+DrafterConfig.__module__ = __name__
+DrafterConfig.__doc__ = "The drafter group: training keys plus the flags of every architecture (see above)."
 
 
 @dataclass
@@ -102,6 +103,7 @@ class TrainConfig:
     eval_batches: int | None = None  # null: the whole held-out set
     save_every: int = 500  # 0: only at the end
     keep_checkpoints: int = 2
+    async_checkpoint: bool = False  # none/fsdp2: write checkpoints in a background thread (published once complete)
     resume: str = "auto"  # auto (latest in output_dir if any) | never | <checkpoint dir>
     # Weights-only start (unlike resume: no optimizer, schedule, data position or step): a drafter
     # directory written by save_pretrained, torchspec-export or torchspec-convert.
@@ -146,35 +148,43 @@ def _choice(value: Any, name: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not one of {list(choices)}.")
 
 
+def validate_drafter_keys(d: Any) -> None:
+    """Refuse a drafter.* key set (to a non-default value) that ``d.arch`` does not read: an
+    architecture reads the keys its config declares (``drafter_keys``) and the training keys of
+    the features it has (``_TRAINING_KEY_FEATURE``)."""
+    used = set(drafter_keys(d.arch))
+    used |= {key for key, feature in _TRAINING_KEY_FEATURE.items() if feature in used}
+    for f in fields(DrafterConfig):
+        value = getattr(d, f.name)
+        if f.name in used or f.name in _ALWAYS_USED or value == f.default:
+            continue
+        feature = _TRAINING_KEY_FEATURE.get(f.name, f.name)
+        owners = [arch for arch in DRAFTERS if feature in drafter_keys(arch)]
+        only = ", ".join(arch_display_name(a) for a in owners)
+        raise ValueError(f"drafter.{f.name}={_show(value)} is not used by drafter.arch={d.arch} ({only} only); "
+                         f"remove it or pick drafter={owners[0]}.")
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def validate_config(cfg: Config) -> None:
     """Checks that need no target: ranges, choices. Raises ValueError naming the key and the fix."""
-    from torchspec.models import DRAFTERS
     from torchspec.models.attention import TTT_ATTENTION
 
     t = cfg.train
-    if cfg.drafter.attn_backend not in TTT_ATTENTION:
-        raise ValueError(f"drafter.attn_backend={cfg.drafter.attn_backend!r} is not one of {sorted(TTT_ATTENTION)}.")
-    if cfg.drafter.moe and not 1 <= cfg.drafter.moe_top_k <= cfg.drafter.moe_num_experts:
-        raise ValueError(
-            f"drafter.moe_top_k={cfg.drafter.moe_top_k} must lie in [1, drafter.moe_num_experts="
-            f"{cfg.drafter.moe_num_experts}]."
-        )
     d = cfg.drafter
+    if d.arch not in DRAFTERS:
+        raise ValueError(f"drafter.arch={d.arch!r} is unknown; choose one of {sorted(DRAFTERS)}.")
+    validate_drafter_keys(d)
+    if d.attn_backend not in TTT_ATTENTION:
+        raise ValueError(f"drafter.attn_backend={d.attn_backend!r} is not one of {sorted(TTT_ATTENTION)}.")
+    if d.moe and not 1 <= d.moe_top_k <= d.moe_num_experts:
+        raise ValueError(f"drafter.moe_top_k={d.moe_top_k} must lie in [1, drafter.moe_num_experts={d.moe_num_experts}].")
     _choice(d.lowrank_teacher, "drafter.lowrank_teacher", ("target", "full"))
     if d.lowrank_coef < 0:
         raise ValueError(f"drafter.lowrank_coef={d.lowrank_coef} must be >= 0.")
-    if d.arch not in DRAFTERS:
-        raise ValueError(f"drafter.arch={d.arch!r} is unknown; choose one of {sorted(DRAFTERS)}.")
-    if d.arch == "eagle4" and d.draft_vocab_size is not None:
-        raise ValueError(
-            f"drafter.draft_vocab_size={d.draft_vocab_size}: EAGLE-4's LM head covers the full target vocabulary "
-            f"(its efficient head prunes per token instead); set it to null or use drafter=eagle3."
-        )
-    if d.arch == "eagle3":
-        eagle4_only = {k: getattr(d, k) for k in ("fc_post_norm", "pre_attn_norm", "nope", "moe", "lm_head_rank")
-                       if getattr(d, k)}
-        if eagle4_only:
-            raise ValueError(f"drafter.arch=eagle3 has no {sorted(eagle4_only)}; set them false (they are EAGLE-4 flags).")
     if d.draft_vocab_size is not None and d.draft_vocab_size < 1:
         raise ValueError(f"drafter.draft_vocab_size={d.draft_vocab_size} must be >= 1 or null.")
     if t.ttt_steps < 1:
@@ -186,8 +196,12 @@ def validate_config(cfg: Config) -> None:
             raise ValueError(f"train.{name}={getattr(t, name)} must be >= 1.")
     if t.lr <= 0:
         raise ValueError(f"train.lr={t.lr} must be > 0.")
-    if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
-        raise ValueError(f"train.warmup_steps={t.warmup_steps} must lie in [0, train.max_steps={t.max_steps}].")
+    if t.warmup_steps < 0:
+        raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0.")
+    if t.warmup_steps > t.max_steps:  # a short run (a smoke test) keeps the preset's warmup: clamp, don't refuse
+        logging.getLogger(__name__).info("train.warmup_steps=%d is more than train.max_steps=%d: warming up over "
+                                         "all %d steps", t.warmup_steps, t.max_steps, t.max_steps)
+        t.warmup_steps = t.max_steps
     if len(t.betas) != 2:
         raise ValueError(f"train.betas={t.betas} must hold two numbers (AdamW beta1, beta2).")
     if t.save_every and t.save_every % t.log_every:
@@ -221,17 +235,19 @@ def validate_config(cfg: Config) -> None:
         )
     if p.engine != "deepspeed" and p.deepspeed:
         raise ValueError(f"parallel.deepspeed is set but parallel.engine={p.engine!r}; use parallel.engine=deepspeed.")
+    if p.engine == "deepspeed" and t.async_checkpoint:
+        raise ValueError("train.async_checkpoint=true needs parallel.engine=none or fsdp2 (DeepSpeed saves synchronously).")
 
 
 def validate_against_target(cfg: Config, target_config: Any) -> list[int]:
     """Checks that need the target's config.json (read without weights). Returns the aux ids."""
-    from torchspec.target import default_aux_layer_ids, validate_aux_layer_ids
+    from torchspec.targets import default_aux_layer_ids, validate_aux_layer_ids
 
     num_layers = target_config.num_hidden_layers
     ids = list(cfg.target.aux_layer_ids) if cfg.target.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
     validate_aux_layer_ids(ids, num_layers)
     if cfg.parallel.target_tp > 1:
-        from torchspec.distributed import validate_tp_for_target
+        from torchspec.targets import validate_tp_for_target
 
         validate_tp_for_target(target_config, cfg.parallel.target_tp)
     d = cfg.drafter

@@ -19,7 +19,6 @@ import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import numpy as np
 import torch
@@ -95,32 +94,6 @@ def validate_mesh(world_size: int, target_tp: int) -> int:
             f"(torchrun --nproc-per-node)."
         )
     return world_size // target_tp
-
-
-def validate_tp_for_target(target_config: Any, tp: int) -> None:
-    """Check the target shards over ``tp`` ranks: heads, KV heads and MLP width divisible by tp.
-
-    `target_config` is the checkpoint's config (read without weights), so this fails before any
-    weight loads. ValueError naming every size that does not divide, and the tp values that work.
-    """
-    cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    heads = cfg.num_attention_heads
-    sizes = {
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
-        "intermediate_size": cfg.intermediate_size,
-    }
-    bad = {name: size for name, size in sizes.items() if size % tp}
-    if bad:
-        ok = [d for d in range(1, heads + 1) if all(size % d == 0 for size in sizes.values())]
-        raise ValueError(
-            f"parallel.target_tp={tp} does not shard this target: "
-            + ", ".join(f"{name}={size}" for name, size in bad.items())
-            + f" not divisible by {tp} (each tp rank holds whole attention heads, whole KV heads and an "
-            f"equal slice of the MLP). Target sizes: "
-            + ", ".join(f"{name}={size}" for name, size in sizes.items())
-            + f". Use parallel.target_tp in {ok}."
-        )
 
 
 def build_mesh(world_size: int, target_tp: int, device_type: str | None = None) -> DeviceMesh:

@@ -34,7 +34,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-PRELOAD = ["torch", "torch.distributed.tensor", "transformers", "torchspec.target.parallelize"]
+PRELOAD = ["torch", "torch.distributed.tensor", "transformers", "torchspec.targets"]
 GRACE_S = 2.0  # after the first failure, how long the other ranks get to report their own errors
 
 

@@ -10,7 +10,7 @@ the single-process loss. Checked per engine (FSDP2, DeepSpeed ZeRO 1 and 2):
   * final weights equal the reference;
   * resume: saved after step 2, loaded into a fresh engine whose drafter has DIFFERENT initial
     weights, trained 2 more steps: equal to the uninterrupted run;
-  * the unsharded fsdp2 checkpoint written at world 2 resumes in one process under "none";
+  * the fsdp2 checkpoint (DCP, one shard per rank) written at world 2 resumes in one process under "none";
   * bf16 (FSDP2 mixed precision, DeepSpeed bf16, "none" with fp32 masters): the first 2 steps
     close to the fp32 reference;
   * DeepSpeed bf16 accumulates and reduces micro-batch gradients in fp32 (gradients 1, 2^-10,
@@ -255,6 +255,7 @@ def test_world2_deepspeed_bf16_accumulates_in_fp32(world2, stage):
 
 def test_none_bf16_and_fsdp2_checkpoints_cross(world2, none_bf16):
     from torchspec.train.engine import build_engine
+    from torchspec.train.engine_base import read_engine_state
 
     _, masters = none_bf16
     got = world2[0]["fsdp2-from-none-bf16"]  # fsdp2 (fp32 shards, 2 ranks) resumed from "none" bf16
@@ -262,7 +263,7 @@ def test_none_bf16_and_fsdp2_checkpoints_cross(world2, none_bf16):
         assert torch.equal(got[name], master), name
     engine = build_engine("none", tiny_drafter(1), optim_config(), lr_multiplier, precision="bf16")
     engine.load(world2[0]["fsdp2"]["ckpt"])  # and "none" bf16 from fsdp2's checkpoint: its masters
-    written = torch.load(f"{world2[0]['fsdp2']['ckpt']}/engine.pt", weights_only=False)["model"]
+    written = read_engine_state(world2[0]["fsdp2"]["ckpt"], "model")["model"]
     for name, master in engine.masters.named_masters():
         assert torch.equal(master, written[name.removeprefix("drafter.")]), name
     train(engine, range(SAVE_AT, STEPS))  # and trains on

@@ -14,7 +14,6 @@ from torchspec.distributed import (
     is_rank0,
     scatter_for_rank,
     validate_mesh,
-    validate_tp_for_target,
 )
 
 from .launcher import DistributedTestFailure, launch
@@ -30,23 +29,6 @@ def test_validate_mesh_tp_not_dividing_world():
     assert "[1, 2, 3, 6]" in msg  # the fix: the tp values that divide the world
     with pytest.raises(ValueError, match=r"target_tp=0 must be >= 1"):
         validate_mesh(4, 0)
-
-
-def test_validate_tp_for_target_names_the_sizes():
-    from transformers import LlamaConfig, Qwen3Config  # here: spawned ranks import this module, keep it light
-
-    cfg = LlamaConfig(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=2)
-    validate_tp_for_target(cfg, 2)
-    with pytest.raises(ValueError) as e:
-        validate_tp_for_target(cfg, 4)
-    msg = str(e.value)
-    assert "target_tp=4" in msg
-    assert "num_attention_heads=6" in msg and "num_key_value_heads=2" in msg
-    assert "not divisible by 4" in msg and "Use parallel.target_tp in [1, 2]" in msg
-    # Heads fine, MLP width not.
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=100, num_attention_heads=8, num_key_value_heads=8)
-    with pytest.raises(ValueError, match=r"intermediate_size=100 not divisible by 8"):
-        validate_tp_for_target(cfg, 8)
 
 
 def _mesh_worker():

@@ -1,4 +1,4 @@
-"""Tensor-parallel runtime decoder on gloo == the single-process decoder (TP=2 and TP=4).
+"""Tensor-parallel serving forward of the target decoder on gloo == the single-process one (TP=2 and TP=4).
 
 One 4-rank launch covers everything (process start-up dominates on 2 cores): the whole world as
 one TP=4 group, then two TP=2 groups ({0, 1}, {2, 3}). Targets: tiny Llama and Qwen3 (4 query
@@ -15,9 +15,8 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from torchspec.distributed import init_distributed
-from torchspec.runtime.decoder import TargetDecoder
-from torchspec.runtime.paged_kv import build_attention_meta
-from torchspec.target import build_tiny_target
+from torchspec.runtime.paged_kv import PagedAttend, build_attention_meta
+from torchspec.targets import TargetDecoder, build_tiny_target
 
 from .launcher import launch
 
@@ -60,10 +59,10 @@ def prefill_and_decode(dec: TargetDecoder) -> tuple[torch.Tensor, torch.Tensor]:
     causal = torch.ones(7, 7, dtype=torch.bool).tril().expand(2, 7, 7)
     zero = torch.zeros(2, dtype=torch.long)
     meta = build_attention_meta(bt, zero, causal, PAGE)
-    prefill = dec.logits(dec(ids[:, :7], torch.arange(7).expand(2, 7), cache, meta).hidden)
+    prefill = dec.logits(dec(ids[:, :7], torch.arange(7).expand(2, 7), PagedAttend(cache, meta)).hidden)
     ctx = torch.tensor([7, 5])
     meta = build_attention_meta(bt, ctx, torch.ones(2, 1, 1, dtype=torch.bool), PAGE)
-    decode = dec.logits(dec(ids.gather(1, ctx[:, None]), ctx[:, None], cache, meta).hidden)
+    decode = dec.logits(dec(ids.gather(1, ctx[:, None]), ctx[:, None], PagedAttend(cache, meta)).hidden)
     return prefill, decode
 
 
@@ -75,7 +74,7 @@ def _tp_worker(target_dirs: dict[str, str]):
     results = {}
     for tp in TP_SIZES:
         for name, path in target_dirs.items():
-            dec = TargetDecoder.from_pretrained(path, tp_group=groups[tp])
+            dec = TargetDecoder.from_pretrained(path, aux_layer_ids=(), tp_group=groups[tp])
             prefill, decode = prefill_and_decode(dec)
             attn = dec.layers[0].self_attn
             results[(tp, name)] = {
@@ -104,7 +103,7 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gqa_bias"])
 def test_tp_logits_equal_single_process(setup, tp, name):
     dirs, results = setup
-    ref = TargetDecoder.from_pretrained(dirs[name])
+    ref = TargetDecoder.from_pretrained(dirs[name], aux_layer_ids=())
     want_prefill, want_decode = prefill_and_decode(ref)
     with safe_open(f"{dirs[name]}/model.safetensors", framework="pt") as f:
         q_full = f.get_tensor("model.layers.0.self_attn.q_proj.weight")

@@ -1,9 +1,10 @@
-"""Tensor-parallel target capture on gloo == single-process capture (tiny Llama and Qwen3).
+"""Tensor-parallel training capture on gloo == single-process capture (tiny Llama and Qwen3).
 
 One 4-rank launch covers everything (process start-up dominates on 2 cores): TP=4 (mesh 1 x 4)
-and TP=2 (mesh 2 x 2, two tp groups), for both families. Checks: aux and last hidden states and
-target logits equal the single-process ones; each rank holds and READ only its shard; the tp
-group's union batch, scattered back, gives every rank exactly its own sequences' states.
+and TP=2 (mesh 2 x 2, two tp groups: the mesh's "tp" group is the decoder's tp group), for both
+families. Checks: aux and last hidden states and target logits equal TP=1's; each rank holds and
+READ only its shard; the tp group's union batch, scattered back, gives every rank exactly its own
+sequences' states.
 """
 
 import pytest
@@ -11,8 +12,7 @@ import torch
 from safetensors import safe_open
 
 from torchspec.distributed import build_mesh, gather_tp_batch, init_distributed, scatter_for_rank
-from torchspec.target import TargetModel, build_tiny_target
-from torchspec.target.parallelize import TP_PLANS, load_tp_target, tp_plan_for
+from torchspec.targets import TargetDecoder, build_tiny_target, llama
 
 from .launcher import launch
 
@@ -79,11 +79,9 @@ class _CountingSafeOpen:
 
 
 def _tp_worker(target_dirs, shared, own_batches):
-    from torch.distributed.tensor import DTensor
+    import torchspec.targets.loader as loader
 
-    import torchspec.target.parallelize as parallelize
-
-    parallelize.safe_open = _CountingSafeOpen  # count what the loader reads
+    loader.safe_open = _CountingSafeOpen  # count what the loader reads
     info = init_distributed(device_type="cpu")
     results = {}
     for tp in TP_SIZES:
@@ -91,34 +89,28 @@ def _tp_worker(target_dirs, shared, own_batches):
         tp_mesh = mesh["tp"]
         for flavour, path in target_dirs.items():
             _CountingSafeOpen.read_numel = 0
-            target = load_tp_target(path, tp_mesh, AUX_IDS)
+            target = TargetDecoder.from_pretrained(path, AUX_IDS, tp_group=tp_mesh.get_group())
             read_numel = _CountingSafeOpen.read_numel
-            out = target(*shared)
-            attn = target.decoder.layers[0].self_attn
+            out = target.capture(*shared)
+            attn = target.layers[0].self_attn
             # The tp group's union of its ranks' own micro-batches, one target forward, own slice back.
             own_ids, own_mask = own_batches[info.rank]
             union, layout = gather_tp_batch(
                 {"input_ids": own_ids, "attention_mask": own_mask}, tp_mesh.get_group()
             )
-            union_out = target(union["input_ids"], union["attention_mask"])
+            union_out = target.capture(union["input_ids"], union["attention_mask"])
             tp_rank = tp_mesh.get_local_rank()
-            params = {id(p): p for p in target.parameters()}.values()  # tied weights once
             results[(tp, flavour)] = {
                 "tp_rank": tp_rank,
+                "decoder_tp": (target.tp_rank, target.tp_size),
                 "aux": out.aux_hidden_states,
                 "last": out.last_hidden_state,
                 "logits": target.target_logits(out.last_hidden_state),
                 "captured_types": {type(t) for t in [*out.aux_hidden_states, out.last_hidden_state]},
-                "q_proj": attn.q_proj.weight.to_local().clone(),
-                "o_proj": attn.o_proj.weight.to_local().clone(),
-                "placements": {
-                    name: str(p.placements)
-                    for name, p in target.hf_model.named_parameters()
-                    if isinstance(p, DTensor)
-                },
-                "local_numel": sum(
-                    p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params
-                ),
+                "q_proj": attn.q_proj.weight.clone(),
+                "o_proj": attn.o_proj.weight.clone(),
+                "shapes": {name: tuple(p.shape) for name, p in target.named_parameters()},
+                "local_numel": sum(p.numel() for p in target.parameters()),
                 "read_numel": read_numel,
                 "own_aux": [scatter_for_rank(a, layout, tp_rank) for a in union_out.aux_hidden_states],
                 "own_last": scatter_for_rank(union_out.last_hidden_state, layout, tp_rank),
@@ -148,24 +140,21 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(setup):
     dirs = setup[0]
-    return {f: TargetModel.from_pretrained(p, AUX_IDS) for f, p in dirs.items()}
+    return {f: TargetDecoder.from_pretrained(p, AUX_IDS) for f, p in dirs.items()}
 
 
 def _max_diff(a, b):
     return (a - b).abs().max().item()
 
 
-def test_tp_plans_agree_with_transformers():
-    """Our colwise/rowwise plan is the one transformers ships for the family (a second opinion)."""
-    from transformers import LlamaConfig, Qwen3Config
+def test_tp_plan_agrees_with_transformers():
+    """Our colwise/rowwise plan is the one transformers ships for every family (a second opinion)."""
+    from transformers import AutoConfig
 
-    for family, cfg in [("llama", LlamaConfig()), ("qwen3", Qwen3Config())]:
-        hf = {k: v for k, v in cfg.base_model_tp_plan.items() if v in ("colwise", "rowwise")}
-        assert TP_PLANS[family] == hf
-    with pytest.raises(ValueError, match=r"model_type='gpt2'.*known: \['llama', 'qwen3'\]"):
-        from transformers import GPT2Config
-
-        tp_plan_for(GPT2Config())
+    for model_type in llama.FAMILIES:
+        plan = AutoConfig.for_model(model_type).base_model_tp_plan
+        hf = {k: v for k, v in plan.items() if v in ("colwise", "rowwise")}
+        assert {f"layers.*.{k}": v for k, v in llama.TP_PLAN.items()} == hf, model_type
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
@@ -173,7 +162,7 @@ def test_tp_plans_agree_with_transformers():
 def test_tp_capture_equals_single_process(setup, references, tp, flavour):
     _, shared, _, results = setup
     ref = references[flavour]
-    want = ref(*shared)
+    want = ref.capture(*shared)
     want_logits = ref.target_logits(want.last_hidden_state)
     for rank, per_rank in enumerate(results):
         got = per_rank[(tp, flavour)]
@@ -208,11 +197,12 @@ def test_each_rank_holds_and_reads_only_its_shard(setup, tp, flavour):
         assert got["q_proj"].shape == (rows, 64)  # 1/tp of the heads
         assert torch.equal(got["q_proj"], q_full[r * rows : (r + 1) * rows])
         assert torch.equal(got["o_proj"], o_full[:, r * rows : (r + 1) * rows])
-        placements = got["placements"]
-        assert placements["model.layers.5.self_attn.k_proj.weight"] == "(Shard(dim=0),)"
-        assert placements["model.layers.5.mlp.up_proj.weight"] == "(Shard(dim=0),)"
-        assert placements["model.layers.5.mlp.down_proj.weight"] == "(Shard(dim=1),)"
-        assert not any("embed" in n or "norm" in n for n in placements)  # replicated stay plain
+        assert got["decoder_tp"] == (r, tp)
+        shapes = got["shapes"]
+        assert shapes["layers.5.self_attn.k_proj.weight"] == (64 // tp, 64)  # colwise: 1/tp of the KV heads
+        assert shapes["layers.5.mlp.up_proj.weight"] == (128 // tp, 64)
+        assert shapes["layers.5.mlp.down_proj.weight"] == (64, 128 // tp)  # rowwise: 1/tp of the inputs
+        assert shapes["embed_tokens.weight"] == (VOCAB, 64) and shapes["norm.weight"] == (64,)  # replicated
         # Held == read == the replicated weights whole + 1/tp of every projection; never the full model.
         expected = replicated_numel + (full_numel - replicated_numel) // tp
         assert got["local_numel"] == expected
@@ -226,7 +216,7 @@ def test_union_batch_scattered_back_matches_own_batch(setup, references, tp, fla
     ref = references[flavour]
     for rank, per_rank in enumerate(results):
         got = per_rank[(tp, flavour)]
-        want = ref(*own[rank])
+        want = ref.capture(*own[rank])
         for a, b in zip(got["own_aux"], want.aux_hidden_states):
             assert a.shape == b.shape
             assert _max_diff(a, b) <= ATOL, f"rank {rank} tp={tp}: {_max_diff(a, b)}"

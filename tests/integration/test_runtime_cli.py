@@ -52,7 +52,7 @@ def test_generate_writes_json_file_atomically(pair, tmp_path, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--top-p", "0"], "top_p"),
     (["--temperature", "-1"], "temperature"),
-    (["--no-spec", "--max-new-tokens", "-3"], "max_new_tokens"),
+    (["--no-spec", "--max-new-tokens", "-3"], "--max-new-tokens=-3"),
     ([], "needs --drafter"),
     (["--no-spec", "--max-context", "4"], "max_context"),
     (["--no-spec", "--prompts-file", "/nonexistent.txt"], "does not exist"),

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -45,7 +46,7 @@ def test_loss_falls_and_resume_is_exact(tmp_path, tiny_llama_dir, tiny_chat_json
     assert [r["step"] for r in evals] == [0, 8]
     assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
     assert 0 <= evals[-1]["eval/topk_recall_full"] <= 1 and "train/topk_recall_target_0" in train[-1]
-    for name in ("config.yaml", "training.png", "drafter/config.json", "drafter/model.safetensors"):
+    for name in ("config.yaml", "training.png", "drafter/config.json", "drafter/model.safetensors", "DONE"):
         assert (tmp_path / "full" / name).exists(), name
 
     # Kill after step 6: the checkpoint of step 4 is the last complete one.
@@ -65,6 +66,43 @@ def test_loss_falls_and_resume_is_exact(tmp_path, tiny_llama_dir, tiny_chat_json
         for key in a:
             if key not in ("train/tokens_per_s",):
                 assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_end_of_run_serving_export_done_marker_and_rerun(tmp_path, tiny_llama_dir, tiny_chat_jsonl):
+    """The run ends with the serving export in <output_dir>/drafter and DONE; rerunning it touches no
+    file and says so in one line; a larger train.max_steps continues it without repeating a line."""
+    from torchspec.export.serving import is_export, load_exported_drafter
+    from torchspec.targets import TargetDecoder
+
+    out, base = tmp_path / "run", ("train.max_steps=3", "train.save_every=2", "train.log_every=1", "train.plot=false")
+    first = run_recipe(out, tiny_llama_dir, tiny_chat_jsonl, *base)
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = json.loads((out / "DONE").read_text())
+    final_eval = read(out / "metrics.jsonl")[-1]
+    assert done == {"step": 3, "export": "drafter", "eval": {k: v for k, v in final_eval.items() if k != "step"}}
+    assert is_export(out / "drafter")  # strict config + safetensors + target fingerprint: served as is
+    drafter = load_exported_drafter(out / "drafter", target=TargetDecoder.from_pretrained(tiny_llama_dir, [1, 3, 5]))
+    assert next(drafter.parameters()).dtype == torch.float32  # a fp32 run exports fp32 (bf16 runs: bf16)
+
+    before = snapshot(out)
+    again = run_recipe(out, tiny_llama_dir, tiny_chat_jsonl, *base)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.splitlines() == [
+        f"run in {out} already finished at step 3 (held-out acceptance {done['eval']['eval/acceptance_length']:.3f}); "
+        f"nothing to do — raise train.max_steps to continue or pick a new train.output_dir"]
+    assert snapshot(out) == before  # byte-identical files, same mtimes, nothing added
+
+    more = run_recipe(out, tiny_llama_dir, tiny_chat_jsonl, *base[1:], "train.max_steps=5")
+    assert more.returncode == 0, more.stderr[-3000:]
+    records = read(out / "metrics.jsonl")
+    assert [(r["step"], "eval/loss" in r) for r in records] == [
+        (0, True), (1, False), (2, False), (3, False), (3, True), (4, False), (5, False), (5, True)]
+    assert json.loads((out / "DONE").read_text())["step"] == 5
 
 
 @pytest.mark.parametrize("override, message", [

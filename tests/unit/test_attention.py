@@ -226,3 +226,25 @@ def test_cuda_backends_match_eager_with_documents(backend):
         for i, (got, want) in enumerate([(out, ref), *zip(grads, ref_grads)]):
             rel = ((got.float() - want).norm() / want.norm()).item()
             assert rel < 2e-2, (backend, window, i, rel)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_every_mask_states_the_one_window_rule(window):
+    """Training backends (eager, chunked, flex mask) and the serving cache's metadata admit exactly
+    the step-0 keys ``torchspec.attend.in_window`` admits (the rule is written once, there)."""
+    from torchspec.attend import in_window
+    from torchspec.runtime.paged_kv import build_attention_meta
+
+    t = 7
+    pos = torch.arange(t)
+    rule = in_window(pos[:, None], pos[None, :], window)  # [T query, T key]
+    # Training: one-hot values reveal which step-0 keys each query attends (a key's weight > 0).
+    q = torch.zeros(1, 1, t, t)
+    values = torch.eye(t)[None, None]
+    for name, fn in WINDOW_BACKENDS.items():
+        out = fn(q, [torch.zeros(1, 1, t, t)], [values], 1.0, window)[0, 0]  # [T, T] attention weights
+        assert torch.equal(out > 0, rule), name
+    # Serving: T committed keys, each query anchored at its own position (the drafter's step 0).
+    meta = build_attention_meta(torch.arange(1, 5)[None], torch.tensor([t]), torch.zeros(1, t, t, dtype=torch.bool),
+                                page_size=4, anchor=pos[None], window=window)
+    assert torch.equal(meta.mask[0, 0, :, :t], rule)

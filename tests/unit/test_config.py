@@ -13,7 +13,7 @@ from omegaconf.errors import ConfigKeyError
 
 from torchspec.config import Config, register_configs, validate_against_target, validate_config
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
+CONF = str(Path(__file__).resolve().parents[2] / "torchspec" / "conf")
 register_configs()
 
 
@@ -80,3 +80,56 @@ def test_aux_ids_checked_against_target_config():
     with pytest.raises(ValueError, match="not strictly increasing"):
         validate_against_target(cfg, FakeTarget())
     assert validate_against_target(compose_cfg(), FakeTarget()) == [1, 3, 4]
+
+
+# --- drafter keys: declared once (the model configs' ARCH_FIELDS), refused where unused -------------
+
+
+@pytest.mark.parametrize("preset", ["eagle3", "eagle3_1", "eagle4", "eagle4_cpu", "eagle4_moe"])
+def test_every_drafter_preset_composes_and_validates(preset):
+    cfg = compose_cfg(f"drafter={preset}")
+    validate_config(cfg)
+    assert cfg.drafter.arch == preset.split("_")[0]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["drafter=eagle3", "drafter.sliding_window=128"],
+     "drafter.sliding_window=128 is not used by drafter.arch=eagle3 (EAGLE-4 only); remove it or pick drafter=eagle4"),
+    (["drafter=eagle3", "drafter.sliding_window=null"], "drafter.sliding_window=null is not used by drafter.arch=eagle3"),
+    (["drafter=eagle3_1", "drafter.nope=true"], "drafter.nope=true is not used by drafter.arch=eagle3 (EAGLE-4 only)"),
+    (["drafter=eagle3", "drafter.moe_num_experts=4"], "drafter.moe_num_experts=4 is not used by drafter.arch=eagle3"),
+    (["drafter=eagle3", "drafter.lowrank_teacher=full"], "drafter.lowrank_teacher=full is not used by drafter.arch=eagle3"),
+    (["drafter=eagle4", "drafter.draft_vocab_size=100"],
+     "drafter.draft_vocab_size=100 is not used by drafter.arch=eagle4 (EAGLE-3 only); remove it or pick drafter=eagle3"),
+])
+def test_a_drafter_key_the_architecture_does_not_use_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        validate_config(compose_cfg(*overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_drafter_keys_are_derived_from_the_model_configs():
+    """Every architecture flag a user may set is a drafter.* key with the architecture's default and
+    type, and no drafter.* key exists that neither an architecture nor training reads."""
+    from dataclasses import MISSING, fields
+
+    from torchspec.config import DrafterConfig, DrafterTrainingConfig
+    from torchspec.models import DEFAULT_ARCH, DRAFTERS, drafter_config_from_target, drafter_keys
+
+    schema = {f.name: f for f in fields(DrafterConfig)}
+    training = {f.name for f in fields(DrafterTrainingConfig)}
+    declared = set().union(*(drafter_keys(arch) for arch in DRAFTERS))
+    assert set(schema) == training | declared
+    for name, flag in drafter_keys(DEFAULT_ARCH).items():
+        assert schema[name].default == flag.default and schema[name].default is not MISSING, name
+
+    class Target:  # what drafter_config_from_target reads from a target config
+        vocab_size, hidden_size, num_attention_heads, num_key_value_heads = 64, 16, 4, 2
+        intermediate_size, num_hidden_layers, rms_norm_eps, rope_theta, max_position_embeddings = 24, 4, 1e-6, 1e4, 128
+
+    for arch in DRAFTERS:  # every key of the architecture reaches its model config
+        d = DrafterConfig(arch=arch)
+        config = drafter_config_from_target(d, Target(), [0, 1, 2])
+        for name in drafter_keys(arch):
+            if getattr(d, name) is not None:
+                assert getattr(config, name) == getattr(d, name), (arch, name)

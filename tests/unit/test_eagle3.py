@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from torchspec.data.vocab import build_vocab_mapping
 from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
-from torchspec.train.ttt import drafter_teacher, shift_left, ttt_unroll, valid_counts
 from torchspec.train.loss import TeacherHead, fused_ttt_head_loss
+from torchspec.train.ttt import drafter_teacher, shift_left, ttt_unroll, valid_counts
 
 V, VD, H = 40, 24, 16
 SMALL = dict(vocab_size=V, draft_vocab_size=VD, hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
@@ -348,3 +348,19 @@ def test_lm_head_scores_the_draft_vocabulary_with_fused_loss():
     assert torch.equal(out.target_argmax, logits.reshape(-1, logits.shape[-1]).argmax(-1))  # the teacher's own
     out.loss.backward()
     assert model.lm_head.weight.grad is not None and model.layer.hidden_norm.weight.grad is not None
+
+
+def test_vocabulary_hook_builds_the_mapping_from_the_training_split():
+    """``fit_vocab`` (the interface's vocabulary-mapping hook the recipe calls) counts assistant tokens
+    only, installs the mapping ``build_vocab_mapping`` gives and hands it to checkpoints."""
+    from torchspec.data.dataset import Example
+    from torchspec.data.vocab import token_frequencies
+
+    g = torch.Generator().manual_seed(3)
+    train_set = [Example(torch.randint(0, V, (12,), generator=g), (torch.arange(12) >= 4).long()) for _ in range(5)]
+    model = Eagle3Drafter(Eagle3Config(**SMALL))
+    line = model.fit_vocab(train_set)
+    assert line.startswith(f"draft vocabulary {VD} / {V} covers ")
+    d2t, t2d = build_vocab_mapping(token_frequencies(train_set, V), VD)
+    assert torch.equal(model.d2t, d2t) and torch.equal(model.t2d, t2d)
+    assert model.vocab_mapping()[0] is model.d2t and torch.equal(model.draft_vocab_ids(), t2d.nonzero()[:, 0])

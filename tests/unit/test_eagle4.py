@@ -11,9 +11,9 @@ import torch
 from torchspec.config import DrafterConfig
 from torchspec.models import build_drafter
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
-from torchspec.target import TargetModel
-from torchspec.train.ttt import ttt_unroll, valid_counts
+from torchspec.targets import TargetDecoder
 from torchspec.train.loss import TeacherHead
+from torchspec.train.ttt import ttt_unroll, valid_counts
 
 SMALL = dict(vocab_size=40, hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
              intermediate_size=24, aux_layer_ids=[0, 1, 2], target_num_layers=4)
@@ -68,7 +68,7 @@ def test_fc_norm_inputs_are_scale_invariant():
 
 
 def test_built_from_target_config_and_initialised_from_target(tiny_target_dir):
-    target = TargetModel.from_pretrained(tiny_target_dir, aux_layer_ids=[1, 3, 5])
+    target = TargetDecoder.from_pretrained(tiny_target_dir, aux_layer_ids=[1, 3, 5])
     drafter = build_drafter(DrafterConfig(), target.config, target.aux_layer_ids)
     drafter.init_from_target(target.embed_tokens_weight, target.lm_head_weight)
     assert drafter.config.hidden_size == target.hidden_size and drafter.config.vocab_size == target.vocab_size
@@ -76,3 +76,13 @@ def test_built_from_target_config_and_initialised_from_target(tiny_target_dir):
     assert torch.equal(drafter.lm_head.weight, target.lm_head_weight)
     assert not drafter.embed_tokens.weight.requires_grad
     assert drafter.config.aux_layer_ids == [1, 3, 5]
+
+
+def test_interface_full_vocabulary_hooks_do_nothing():
+    """EAGLE-4 drafts over the whole target vocabulary: no mapping to build, save or restrict to."""
+    model = Eagle4Drafter(Eagle4Config(vocab_size=37, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=4, intermediate_size=24, aux_layer_ids=[0, 1, 2], target_num_layers=4,
+                                       sliding_window=5))
+    assert model.fit_vocab([]) is None and model.vocab_mapping() is None and model.draft_vocab_ids() is None
+    ids = torch.arange(37)
+    assert torch.equal(model.draft_to_target_ids(ids), ids) and model.window == 5

@@ -18,7 +18,7 @@ class CountingTarget:
         self.calls = 0
         self.lm_head_weight, self.lm_head_bias = torch.randn(11, 4), None
 
-    def __call__(self, input_ids, **_):
+    def capture(self, input_ids, **_):
         self.calls += 1
         h = input_ids.float()[..., None].expand(*input_ids.shape, 4).clone()
         return SimpleNamespace(aux_hidden_states=[h, h + 1, h + 2], last_hidden_state=h * 2)

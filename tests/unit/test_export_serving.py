@@ -20,13 +20,14 @@ from torchspec.export.serving import (
     export_drafter,
     export_from_checkpoint,
     load_exported_drafter,
+    read_target_embeddings,
     target_identity,
     weights_fingerprint,
 )
 from torchspec.models import build_drafter
-from torchspec.target import TargetModel, build_tiny_target
-from torchspec.train.ttt import ttt_unroll, valid_counts
+from torchspec.targets import TargetDecoder, build_tiny_target
 from torchspec.train.loss import TeacherHead
+from torchspec.train.ttt import ttt_unroll, valid_counts
 
 REPO = Path(__file__).resolve().parents[2]
 AUX = [1, 3, 5]
@@ -42,7 +43,7 @@ PRESETS = {
 
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir):
-    return TargetModel.from_pretrained(tiny_llama_dir, aux_layer_ids=AUX)
+    return TargetDecoder.from_pretrained(tiny_llama_dir, aux_layer_ids=AUX)
 
 
 def make_drafter(target, preset: str, seed: int = 0):
@@ -147,7 +148,7 @@ def test_loader_refuses_config_mismatches_by_name(exported, edit, message):
 def test_target_pairing_by_fingerprint(tmp_path, exported, target, tiny_tokenizer):
     other_dir = build_tiny_target(str(tmp_path / "other"), flavour="llama", vocab_size=384, seed=1,
                                   tokenizer=tiny_tokenizer)
-    other = TargetModel.from_pretrained(other_dir, aux_layer_ids=AUX)
+    other = TargetDecoder.from_pretrained(other_dir, aux_layer_ids=AUX)
     mine, theirs = target_identity(target)["fingerprint"], target_identity(other)["fingerprint"]
     assert mine != theirs
     with pytest.raises(ValueError, match=f"target with fingerprint {mine}; got a target with fingerprint {theirs}"):
@@ -168,6 +169,40 @@ def test_fingerprint_is_value_based_and_sensitive():
     untied[-1] += 1.0  # the last row is always sampled
     assert weights_fingerprint(embed, untied) != tied
     assert weights_fingerprint(embed[:999], embed[:999]) != tied
+
+
+def forbid_building_a_target(monkeypatch) -> None:
+    """Building a target model raises from here on: ours, or a transformers one of the tiny targets'
+    families (any way: from_pretrained, from_config, the class itself)."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target model was built; an export reads only its embedding and lm_head")
+
+    monkeypatch.setattr(TargetDecoder, "__init__", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", refuse)
+    for decoder in (transformers.LlamaModel, transformers.Qwen3Model):
+        monkeypatch.setattr(decoder, "__init__", refuse)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_target_embeddings_from_the_files_equal_the_loaded_target(tmp_path, tiny_target_dir, tiny_tokenizer,
+                                                                   monkeypatch, tied):
+    path = tiny_target_dir if tied else build_tiny_target(str(tmp_path / "untied"), vocab_size=384, seed=2,
+                                                          tie_word_embeddings=False, tokenizer=tiny_tokenizer)
+    loaded = TargetDecoder.from_pretrained(path, aux_layer_ids=AUX)
+    forbid_building_a_target(monkeypatch)
+    read = read_target_embeddings(path, AUX, torch.float32)
+    assert target_identity(read) == target_identity(loaded)
+    assert torch.equal(read.embed_tokens_weight, loaded.embed_tokens_weight)
+    assert torch.equal(read.lm_head_weight, loaded.lm_head_weight)
+    assert (read.lm_head_weight is read.embed_tokens_weight) == tied
+    half = read_target_embeddings(path, AUX, torch.bfloat16)  # as TargetDecoder.from_pretrained(dtype=bf16) casts
+    assert half.embed_tokens_weight.dtype == torch.bfloat16
+    assert torch.equal(half.embed_tokens_weight, loaded.embed_tokens_weight.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"outside \[0, 7\]"):
+        read_target_embeddings(path, [1, 3, 9], torch.float32)
 
 
 def test_export_refuses_a_foreign_target_identity(tmp_path, target):
@@ -240,15 +275,18 @@ def test_export_from_checkpoint_equals_the_runs_drafter(tmp_path, tiny_llama_dir
     result = run_recipe(run, tiny_llama_dir, tiny_chat_jsonl, f"drafter={preset}", *extra)
     assert result.returncode == 0, result.stderr[-3000:]
 
-    main([str(run), str(tmp_path / "export"), "--dtype", "float32"])
+    with pytest.MonkeyPatch.context() as patch:
+        forbid_building_a_target(patch)  # torchspec-export reads only the target's embedding and lm_head
+        main([str(run), str(tmp_path / "export"), "--dtype", "float32"])
     printed = capsys.readouterr().out
     assert "exported step 2" in printed and "fingerprint" in printed
     exported = load_file(tmp_path / "export" / "model.safetensors")
-    saved = load_file(run / "drafter" / "model.safetensors")  # the run's own save_pretrained
+    saved = load_file(run / "drafter" / "model.safetensors")  # the run's own serving export (fp32 run: fp32)
     assert sorted(exported) == sorted(saved)
     for name in saved:
         assert exported[name].dtype == saved[name].dtype and torch.equal(exported[name], saved[name]), name
-    loaded = load_exported_drafter(tmp_path / "export", target=TargetModel.from_pretrained(tiny_llama_dir))
+    assert (tmp_path / "export" / "config.json").read_text() == (run / "drafter" / "config.json").read_text()
+    loaded = load_exported_drafter(tmp_path / "export", target=TargetDecoder.from_pretrained(tiny_llama_dir))
     assert loaded.config.aux_layer_ids == AUX
 
     summary = export_from_checkpoint(run, tmp_path / "export_bf16", step=2)
@@ -266,9 +304,12 @@ def test_export_from_checkpoint_equals_the_runs_drafter(tmp_path, tiny_llama_dir
     with pytest.raises(SystemExit) as exit_info:
         main([str(run), str(tmp_path / "x"), "--step", "7"])
     assert exit_info.value.code == 2 and "['step_000002']" in capsys.readouterr().err
+    from torchspec.train.checkpoint import write_manifest
+
     ckpt = run / "checkpoints" / "step_000002"
     state = torch.load(ckpt / "state.pt", weights_only=False)
     torch.save({**state, "engine": "deepspeed"}, ckpt / "state.pt")
+    write_manifest(ckpt)  # an intact checkpoint of the other engine, not a damaged one
     with pytest.raises(SystemExit) as exit_info:
         main([str(run), str(tmp_path / "x")])
     assert exit_info.value.code == 2 and "zero_to_fp32" in capsys.readouterr().err

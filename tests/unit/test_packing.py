@@ -1,7 +1,7 @@
 """Sequence packing: the packer, collate's position/document ids, and the parity that matters: a
 packed row computes exactly what its documents compute in rows of their own -- in the drafter's
 TTT attention (every backend, with windows and diagonal steps), in a whole drafter step (RoPE
-positions restarting per document), and in the target's forward (captured aux and last hidden)."""
+positions restarting per document), and in the tensor-parallel target's union forward."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torchspec.models.attention import (
 )
 from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
-from torchspec.target import TargetModel
+from torchspec.targets import TargetDecoder
 
 
 def example(n: int, first: int = 0) -> Example:
@@ -61,7 +61,7 @@ def test_packer_rejects_bad_input():
 
 def test_collate_packed_and_unpacked_rows():
     packed = pack_examples([example(3), example(2, first=50)], max_length=8)[0]
-    batch = collate([packed, example(7, first=80)], pad_id=0)
+    batch = collate([packed, example(7, first=80)], pad_id=0, packed=True)
     assert batch["attention_mask"].tolist() == [[1] * 5 + [0] * 2, [1] * 7]
     assert batch["document_ids"].tolist() == [[0, 0, 0, 1, 1, -1, -1], [0] * 7]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3], list(range(7))]
@@ -69,9 +69,11 @@ def test_collate_packed_and_unpacked_rows():
     assert batch["loss_mask"][0].tolist() == masks + [0, 0]
     real = batch["attention_mask"].bool()
     assert torch.equal(document_positions(batch["document_ids"])[real], batch["position_ids"][real])
-    unpacked = collate([example(3), example(5)], pad_id=0)  # old batches: arange, one document
+    unpacked = collate([example(3), example(5)], pad_id=0)  # unpacked data: arange, no document ids
     assert unpacked["position_ids"].tolist() == [list(range(5))] * 2
-    assert unpacked["document_ids"].tolist() == [[0, 0, 0, -1, -1], [0] * 5]
+    assert "document_ids" not in unpacked
+    as_packed = collate([example(3), example(5)], pad_id=0, packed=True)
+    assert as_packed["document_ids"].tolist() == [[0, 0, 0, -1, -1], [0] * 5]
     assert all(t.dtype == torch.long for t in batch.values())
 
 
@@ -203,7 +205,7 @@ def test_drafter_steps_on_packed_row_equal_documents_alone(arch, backend):
     ids = [torch.randint(0, 37, (2, T), generator=g) for _ in range(steps)]
     hidden0 = torch.randn(2, T, 16, generator=g)
     zeros = [torch.zeros(sum(n), dtype=torch.long) for n in DOC_LENGTHS]  # only the layout matters here
-    batch = collate([Example(z, z, n if len(n) > 1 else None) for z, n in zip(zeros, DOC_LENGTHS)], pad_id=0)
+    batch = collate([Example(z, z, n if len(n) > 1 else None) for z, n in zip(zeros, DOC_LENGTHS)], pad_id=0, packed=True)
     assert torch.equal(batch["document_ids"], doc_ids())
 
     def unroll(ids_k, hidden, positions, documents):
@@ -224,58 +226,17 @@ def test_drafter_steps_on_packed_row_equal_documents_alone(arch, backend):
                 torch.testing.assert_close(packed[k][row : row + 1, lo:hi], alone[k], rtol=1e-5, atol=1e-5)
 
 
-# --- target forward --------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_target_packed_row_equals_documents_alone(tiny_target_dir, attn):
-    target = TargetModel.from_pretrained(tiny_target_dir)
-    target.hf_model.set_attn_implementation(attn)
-    g = torch.Generator().manual_seed(2)
-    lengths = [(6, 1, 9, 4), (11, 3)]  # row 1 is padded by 6
-    docs = [[torch.randint(0, 384, (n,), generator=g) for n in row] for row in lengths]
-    batch = collate([Example(torch.cat(row), torch.ones(sum(n), dtype=torch.long), n)
-                     for row, n in zip(docs, lengths)], pad_id=0)
-    out = target(batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-                 document_ids=batch["document_ids"])
-    derived = target(batch["input_ids"], document_ids=batch["document_ids"])  # positions from document ids
-    for row, n in enumerate(lengths):
-        for doc, (lo, hi) in zip(docs[row], spans(n)):
-            alone = target(doc[None])
-            for got, want in zip([*out.aux_hidden_states, out.last_hidden_state],
-                                 [*alone.aux_hidden_states, alone.last_hidden_state]):
-                torch.testing.assert_close(got[row : row + 1, lo:hi], want, rtol=1e-5, atol=1e-5)
-    for got, want in zip([*derived.aux_hidden_states, derived.last_hidden_state],
-                         [*out.aux_hidden_states, out.last_hidden_state]):
-        torch.testing.assert_close(got[batch["attention_mask"].bool()], want[batch["attention_mask"].bool()],
-                                   rtol=0, atol=1e-6)
-    assert torch.isfinite(out.last_hidden_state).all()
-    leaky = target(batch["input_ids"], attention_mask=batch["attention_mask"])  # positive control
-    assert not torch.allclose(leaky.last_hidden_state[0, 6:20], out.last_hidden_state[0, 6:20], atol=1e-3)
-
-
-def test_target_without_documents_is_unchanged(tiny_llama_dir):
-    """An unpacked padded batch with its (arange, 0/-1) ids equals the old attention_mask path."""
-    target = TargetModel.from_pretrained(tiny_llama_dir)
-    batch = collate([Example(torch.arange(3, 12), torch.ones(9, dtype=torch.long)),
-                     Example(torch.arange(20, 25), torch.ones(5, dtype=torch.long))], pad_id=0)
-    new = target(**batch_inputs(batch))
-    old = target(batch["input_ids"], attention_mask=batch["attention_mask"])
-    real = batch["attention_mask"].bool()
-    for got, want in zip([*new.aux_hidden_states, new.last_hidden_state],
-                         [*old.aux_hidden_states, old.last_hidden_state]):
-        torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
-
+# --- tensor-parallel target: packed micro-batches of different shapes in one union forward ---------
+# (A packed row of the target == its documents alone, single process: tests/unit/test_target_capture.py.)
 
 def batch_inputs(batch):
     return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "document_ids")}
 
 
-# --- tensor-parallel target: packed micro-batches of different shapes in one union forward ---------
-
 def packed_batch(seed: int, rows: list[tuple[int, ...]]) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return collate([Example(torch.randint(0, 384, (sum(n),), generator=g), torch.ones(sum(n), dtype=torch.long),
-                            n if len(n) > 1 else None) for n in rows], pad_id=0)
+                            n if len(n) > 1 else None) for n in rows], pad_id=0, packed=True)
 
 
 TP_BATCHES = [packed_batch(0, [(4, 7), (3,)]), packed_batch(1, [(2, 5, 6)])]  # rank 0: [2, 11], rank 1: [1, 13]
@@ -283,13 +244,12 @@ TP_BATCHES = [packed_batch(0, [(4, 7), (3,)]), packed_batch(1, [(2, 5, 6)])]  # 
 
 def _tp_packed_worker(path: str):
     from torchspec.distributed import build_mesh, init_distributed
-    from torchspec.target.parallelize import load_tp_target
     from torchspec.train.step import target_forward
 
     info = init_distributed(device_type="cpu")
-    tp_mesh = build_mesh(info.world_size, 2, "cpu")["tp"]
-    target = load_tp_target(path, tp_mesh, [1, 3, 5])
-    return target_forward(target, TP_BATCHES[info.rank], tp_mesh.get_group())
+    tp_group = build_mesh(info.world_size, 2, "cpu")["tp"].get_group()
+    target = TargetDecoder.from_pretrained(path, [1, 3, 5], tp_group=tp_group)
+    return target_forward(target, TP_BATCHES[info.rank], tp_group)
 
 
 def test_tp_union_forward_of_packed_batches_equals_single_process(tiny_llama_dir):
@@ -298,9 +258,9 @@ def test_tp_union_forward_of_packed_batches_equals_single_process(tiny_llama_dir
     from tests.distributed.launcher import launch
 
     results = launch(_tp_packed_worker, world_size=2, args=(tiny_llama_dir,), timeout_s=120)
-    reference = TargetModel.from_pretrained(tiny_llama_dir, [1, 3, 5])
+    reference = TargetDecoder.from_pretrained(tiny_llama_dir, [1, 3, 5])
     for (aux, last), batch in zip(results, TP_BATCHES):
-        want = reference(**batch_inputs(batch))
+        want = reference.capture(**batch_inputs(batch))
         real = batch["attention_mask"].bool()
         for got, ref in zip([*aux, last], [*want.aux_hidden_states, want.last_hidden_state]):
             assert got.shape == ref.shape

@@ -19,6 +19,7 @@ import torch
 
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
 from torchspec.train.engine import PREFIX, OptimConfig, build_engine
+from torchspec.train.engine_base import read_engine_state
 from torchspec.train.loss import TeacherHead
 from torchspec.train.optim import adamw_implementation, resolve_precision
 from torchspec.train.ttt import ttt_unroll, valid_counts
@@ -156,7 +157,7 @@ def test_resume_restores_masters_bitwise(tmp_path):
     for step in range(2):
         run(a, [batch(step)])
     a.save(tmp_path)
-    state = torch.load(tmp_path / "engine.pt", weights_only=False)
+    state = read_engine_state(tmp_path)
     masters = dict(a.masters.named_masters())
     for name, w in state["model"].items():  # the checkpoint holds the fp32 masters, not the bf16 copies
         assert w.dtype == torch.float32 and torch.equal(w, masters[PREFIX + name])

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-import torchspec.target.loader as loader
-from torchspec.target import TargetModel, load_target_config, load_tokenizer, resolve_target_path
+import torchspec.targets.loader as loader
+from torchspec.targets import TargetDecoder, load_target_config, load_tokenizer, resolve_target_path
 
 
 def _fake_gguf(tmp_path, name="toy.gguf", payload=b"GGUF-fake"):
@@ -92,11 +92,10 @@ def test_smollm2_gguf_converts_once_and_loads(tmp_path, monkeypatch):
     assert time.perf_counter() - start < 1.0
     assert os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns == mtime
 
-    target = TargetModel.from_pretrained(path)
+    target = TargetDecoder.from_pretrained(path)
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
     assert target.aux_layer_ids == [1, 14, 26]
     assert target.lm_head_weight is target.embed_tokens_weight
-    assert getattr(target.hf_model, "hf_quantizer", None) is None
     assert all(p.dtype == torch.float32 for p in target.parameters())
 
     tokenizer = load_tokenizer(path)
@@ -107,7 +106,7 @@ def test_smollm2_gguf_converts_once_and_loads(tmp_path, monkeypatch):
         return_tensors="pt",
         return_dict=True,
     )["input_ids"]
-    out = target(ids)
+    out = target.capture(ids)
     # A real chat model, really dequantized: the greedy next token starts a sensible answer.
     next_token = target.target_logits(out.last_hidden_state[0, -1]).argmax().item()
     assert tokenizer.decode([next_token]).strip() in {"The", "Paris"}

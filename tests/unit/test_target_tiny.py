@@ -4,14 +4,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from torchspec.target import TargetModel, build_tiny_target, load_target_config, load_tokenizer
+from torchspec.targets import (
+    TINY_FLAVOURS,
+    TargetDecoder,
+    build_tiny_target,
+    load_target_config,
+    load_tokenizer,
+)
 
 
 def _weights(path):
     return load_file(f"{path}/model.safetensors")
 
 
-@pytest.mark.parametrize("flavour", ["llama", "qwen3"])
+@pytest.mark.parametrize("flavour", sorted(TINY_FLAVOURS))
 def test_deterministic_per_seed(tmp_path, flavour):
     rng_before = torch.random.get_rng_state()
     a = _weights(build_tiny_target(str(tmp_path / "a"), flavour, seed=3))
@@ -23,7 +29,8 @@ def test_deterministic_per_seed(tmp_path, flavour):
     assert any(not torch.equal(a[k], c[k]) for k in a if "norm" not in k)
 
 
-@pytest.mark.parametrize("flavour, arch", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+@pytest.mark.parametrize("flavour, arch", [("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
+                                           ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
 def test_config_and_tp4_friendly_defaults(tmp_path, flavour, arch):
     path = build_tiny_target(str(tmp_path / "t"), flavour, vocab_size=400)
     config = load_target_config(path)
@@ -52,7 +59,7 @@ def test_with_tiny_tokenizer(tmp_path):
         return_tensors="pt",
         return_dict=True,
     )["input_ids"]
-    out = TargetModel.from_pretrained(path)(ids)
+    out = TargetDecoder.from_pretrained(path).capture(ids)
     assert out.last_hidden_state.shape == (1, ids.shape[1], 64)
     assert load_target_config(path).eos_token_id == tokenizer.eos_token_id
     with pytest.raises(ValueError, match="smaller than the tokenizer"):

@@ -12,8 +12,8 @@ import torch
 
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
 from torchspec.models.layers import apply_rope
-from torchspec.train.ttt import acceptance_length, ttt_unroll, valid_counts
 from torchspec.train.loss import TeacherHead
+from torchspec.train.ttt import acceptance_length, ttt_unroll, valid_counts
 
 
 def tiny_drafter(seed: int = 0, **flags) -> Eagle4Drafter:

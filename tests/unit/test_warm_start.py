@@ -13,9 +13,9 @@ from torchspec.data.vocab import build_vocab_mapping
 from torchspec.export.warm_start import attention_fit_error, eagle3_to_eagle4, format_report
 from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
-from torchspec.target import TargetModel, build_tiny_target
-from torchspec.train.ttt import summarize, ttt_unroll, valid_counts
+from torchspec.targets import TargetDecoder, build_tiny_target
 from torchspec.train.loss import TeacherHead
+from torchspec.train.ttt import summarize, ttt_unroll, valid_counts
 
 V, VD, H = 384, 128, 32
 SIZES = dict(vocab_size=V, hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -122,7 +122,7 @@ def trained(tmp_path_factory, tiny_tokenizer):
     torch.manual_seed(0)
     path = build_tiny_target(str(tmp_path_factory.mktemp("ws_target")), vocab_size=V, num_layers=4, hidden_size=H,
                              num_heads=4, num_kv_heads=2, tokenizer=tiny_tokenizer, initializer_range=0.1)
-    target = TargetModel.from_pretrained(path, aux_layer_ids=[0, 1, 2])
+    target = TargetDecoder.from_pretrained(path, aux_layer_ids=[0, 1, 2])
 
     def batch(seed: int, n: int):
         exs = []
@@ -130,7 +130,7 @@ def trained(tmp_path_factory, tiny_tokenizer):
             ids, mask = tokenize_conversation(tiny_tokenizer, conv["messages"], 256)
             exs.append(Example(torch.tensor(ids), torch.tensor(mask)))
         b = collate(exs, 0)
-        out = target(b["input_ids"], b["attention_mask"])
+        out = target.capture(b["input_ids"], b["attention_mask"])
         return b, out.aux_hidden_states, target.target_logits(out.last_hidden_state)
 
     train = [batch(100 + i, 6) for i in range(4)]

@@ -95,14 +95,18 @@ def build_datasets(
     return train, evaluation, stats
 
 
-def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(examples: list[Example], pad_id: int, packed: bool = False) -> dict[str, torch.Tensor]:
     """Right-pad a batch to its longest example.
 
     Returns long tensors, all ``[B, T]`` with ``T`` the longest length: ``input_ids`` (``pad_id``
     on padding), ``loss_mask`` (0 on padding), ``attention_mask`` (1 on real tokens),
     ``position_ids`` (position inside the token's own document; padding continues the last
-    document's count, so an unpacked row is exactly ``arange(T)``) and ``document_ids`` (index of
-    the token's document in its row, 0, 1, ...; -1 on padding).
+    document's count, so an unpacked row is exactly ``arange(T)``) and, with ``packed`` (the data
+    set holds packed rows, ``data.pack``), ``document_ids`` (index of the token's document in its
+    row, 0, 1, ...; -1 on padding). Unpacked batches carry no ``document_ids``, so the target and
+    the drafter take their plain causal attention (padding sits after every real token, so
+    causality hides it). The key's presence depends on the data set, never on one batch's
+    content: the ranks of a tensor-parallel group concatenate their batches.
     """
     assert examples, "collate needs at least one example"
     lengths = [len(e) for e in examples]
@@ -122,8 +126,11 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
             document_ids[row, start : start + n] = doc
             start += n
         assert start == length, f"document_lengths {example.document_lengths} do not sum to the length {length}"
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask,
-            "position_ids": position_ids, "document_ids": document_ids}
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask,
+             "position_ids": position_ids}
+    if packed:
+        batch["document_ids"] = document_ids
+    return batch
 
 
 class ResumableBatchSampler:

@@ -225,11 +225,12 @@ def _resolve(path: str) -> Iterator[Path]:
             yield Path(p)
         return
     p = Path(path)
+    expected = ("a .jsonl or .json file of {'messages': [...]} or {'conversations': [...]} records, "
+                "or the alias 'sharegpt'")
+    if p.is_dir():
+        raise ValueError(f"conversation file {path!r} is a directory; pass a JSONL file inside it ({expected})")
     if not p.is_file():
-        raise ValueError(
-            f"conversation file {path!r} does not exist; expected a .jsonl or .json file of "
-            f"{{'messages': [...]}} or {{'conversations': [...]}} records, or the alias 'sharegpt'"
-        )
+        raise ValueError(f"conversation file {path!r} does not exist; pass {expected}")
     yield p
 
 

@@ -64,6 +64,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from torchspec.cli import check_safetensors, read_json
 from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
 
 LAYOUTS = ("sglang", "vllm")
@@ -281,7 +282,11 @@ def _aux_ids(engine_ids: list[int] | None, shift: int, num_layers: int, where: s
 def from_sglang(state_dict: dict[str, torch.Tensor], config: dict, target_num_layers: int | None = None,
                 embed_weight: torch.Tensor | None = None) -> Eagle3Drafter:
     """SpecForge / SGLang (state_dict, config_dict) -> Eagle3Drafter, strictly (see ``_build``)."""
-    where = "from_sglang"
+    fields, aux, num_layers = _parse_sglang(config, target_num_layers)
+    return _build(fields, config, aux, num_layers, state_dict, "sglang", embed_weight)
+
+
+def _parse_sglang(config: dict, target_num_layers: int | None, where: str = "from_sglang") -> tuple[dict, list[int], int]:
     known = _LLAMA_KEYS | {"architectures", "draft_vocab_size", "target_hidden_size", "eagle_config", "torchspec"}
     _refuse_unknown(set(config), known, where)
     if "LlamaForCausalLMEagle3" not in (config.get("architectures") or []):
@@ -293,13 +298,17 @@ def from_sglang(state_dict: dict[str, torch.Tensor], config: dict, target_num_la
         raise ValueError(f"{where}: eagle_config.use_aux_hidden_state=false (EAGLE-1 style), not EAGLE-3.")
     num_layers = _target_num_layers(config, target_num_layers, where)
     aux = _aux_ids(eagle.get("eagle_aux_hidden_state_layer_ids"), 0, num_layers, where)
-    return _build(fields, config, aux, num_layers, state_dict, "sglang", embed_weight)
+    return fields, aux, num_layers
 
 
 def from_vllm(state_dict: dict[str, torch.Tensor], config: dict, target_num_layers: int | None = None,
               embed_weight: torch.Tensor | None = None) -> Eagle3Drafter:
     """speculators / vLLM (state_dict, config_dict) -> Eagle3Drafter, strictly (see ``_build``)."""
-    where = "from_vllm"
+    fields, aux, num_layers = _parse_vllm(config, target_num_layers)
+    return _build(fields, config, aux, num_layers, state_dict, "vllm", embed_weight)
+
+
+def _parse_vllm(config: dict, target_num_layers: int | None, where: str = "from_vllm") -> tuple[dict, list[int], int]:
     known = {"architectures", "speculators_model_type", "transformer_layer_config", "draft_vocab_size",
              "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids",
              "speculators_config", "torchspec", *_UNSUPPORTED_FLAGS}
@@ -317,18 +326,23 @@ def from_vllm(state_dict: dict[str, torch.Tensor], config: dict, target_num_laye
     fields = _parse_llama_layer(layer, f"{where} transformer_layer_config")
     num_layers = _target_num_layers(config, target_num_layers, where)
     aux = _aux_ids(config.get("eagle_aux_hidden_state_layer_ids"), 1, num_layers, where)
-    return _build(fields, config, aux, num_layers, state_dict, "vllm", embed_weight)
+    return fields, aux, num_layers
 
 
-def _build(fields: dict[str, Any], config: dict, aux: list[int], num_layers: int,
-           state_dict: dict[str, torch.Tensor], layout: str, embed_weight: torch.Tensor | None) -> Eagle3Drafter:
-    where = f"from_{layout}"
+def _config(fields: dict[str, Any], config: dict, aux: list[int], num_layers: int, where: str) -> Eagle3Config:
     hidden = fields["hidden_size"]
     if config.get("target_hidden_size", hidden) != hidden:
         raise ValueError(f"{where}: target_hidden_size={config['target_hidden_size']} != hidden_size={hidden}; "
                          f"torchspec's EAGLE-3 drafter works at the target's width.")
     draft_vocab = config.get("draft_vocab_size") or fields["vocab_size"]  # engines: missing -> full vocab
-    cfg = Eagle3Config(**fields, draft_vocab_size=draft_vocab, aux_layer_ids=aux, target_num_layers=num_layers)
+    return Eagle3Config(**fields, draft_vocab_size=draft_vocab, aux_layer_ids=aux, target_num_layers=num_layers)
+
+
+def _build(fields: dict[str, Any], config: dict, aux: list[int], num_layers: int,
+           state_dict: dict[str, torch.Tensor], layout: str, embed_weight: torch.Tensor | None) -> Eagle3Drafter:
+    where = f"from_{layout}"
+    cfg = _config(fields, config, aux, num_layers, where)
+    draft_vocab = cfg.draft_vocab_size
 
     # Engine names -> torchspec names; report problems in the engine's names (what the file holds).
     to_internal = {engine: ours for ours, engine in KEY_RENAMES[layout].items()}
@@ -375,17 +389,21 @@ def _build(fields: dict[str, Any], config: dict, aux: list[int], num_layers: int
 
 _TO = {"sglang": to_sglang, "vllm": to_vllm}
 _FROM = {"sglang": from_sglang, "vllm": from_vllm}
+_PARSE = {"sglang": _parse_sglang, "vllm": _parse_vllm}
 
 
-def detect_layout(config: dict) -> str:
+def detect_layout(config: dict, where: str = "config.json") -> str:
     """Which layout a config.json belongs to: ``speculators_model_type`` -> vllm,
     ``LlamaForCausalLMEagle3`` -> sglang."""
     if "speculators_model_type" in config:
         return "vllm"
     if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):
         return "sglang"
-    raise ValueError(f"detect_layout: config.json is neither speculators (speculators_model_type) nor SGLang "
-                     f"(architectures LlamaForCausalLMEagle3); architectures={config.get('architectures')}.")
+    own = str(config.get("model_type", "")).startswith("torchspec_")
+    raise ValueError(f"{where} is neither speculators (speculators_model_type) nor SGLang (architectures "
+                     f"LlamaForCausalLMEagle3) but architectures={config.get('architectures')}"
+                     + ("; it is torchspec's own format: load it as that (torchspec-convert --layout torchspec)."
+                        if own else "; pass an EAGLE-3 checkpoint of one of the layouts."))
 
 
 def save_layout(drafter: Eagle3Drafter, out_dir: str | Path, layout: str = "sglang", **kwargs: Any) -> Path:
@@ -401,12 +419,36 @@ def save_layout(drafter: Eagle3Drafter, out_dir: str | Path, layout: str = "sgla
     return out
 
 
+def _read_dir(path: Path, layout: str | None) -> tuple[dict, str]:
+    """config.json of a layout directory and its layout; the weights file's header is checked too. Every
+    problem (no directory, a missing, garbled or truncated file, another layout) names the file."""
+    fix = (f"pass a directory holding an EAGLE-3 checkpoint in the {layout or 'sglang or vllm'} layout "
+           f"(config.json + model.safetensors)")
+    if not path.is_dir():
+        raise ValueError(f"{path} {'is a file' if path.exists() else 'does not exist'}; {fix}.")
+    config = read_json(path / "config.json", fix + ".")
+    detected = detect_layout(config, str(path / "config.json"))
+    if layout is not None and layout != detected:
+        raise ValueError(f"load_layout: asked for layout={layout!r} but {path}/config.json is {detected!r}; "
+                         f"pass --layout {detected}.")
+    check_safetensors(path / "model.safetensors", fix + ".")
+    return config, detected
+
+
+def read_layout_config(path: str | Path, layout: str | None = None,
+                       target_num_layers: int | None = None) -> Eagle3Config:
+    """The drafter config of a layout directory, strictly, without reading a weight: what a caller checks
+    (against the target) before anything large loads."""
+    path = Path(path)
+    config, detected = _read_dir(path, layout)
+    where = str(path / "config.json")
+    fields, aux, num_layers = _PARSE[detected](config, target_num_layers, where)
+    return _config(fields, config, aux, num_layers, where)
+
+
 def load_layout(path: str | Path, layout: str | None = None, **kwargs: Any) -> Eagle3Drafter:
     """Read a ``save_layout`` directory (or a field checkpoint of either layout); ``layout=None``
     detects it from config.json. ``kwargs`` go to ``from_<layout>`` (target_num_layers, embed_weight)."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
-    detected = detect_layout(config)
-    if layout is not None and layout != detected:
-        raise ValueError(f"load_layout: asked for layout={layout!r} but {path}/config.json is {detected!r}.")
+    config, detected = _read_dir(path, layout)
     return _FROM[detected](load_file(path / "model.safetensors"), config, **kwargs)

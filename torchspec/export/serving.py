@@ -24,8 +24,10 @@ an fp32-loaded and a bf16-loaded copy of one checkpoint hash alike too.
 
 Loading is strict (``load_exported_drafter``): unknown/missing config keys, unknown/missing/
 mis-shaped tensors and a target that does not match are refused with their names; nothing is
-ever skipped or initialised silently. ``export_from_checkpoint`` rebuilds the drafter of a
-training run (``<run_dir>/config.yaml`` + ``checkpoints/step_N``) and exports it.
+ever skipped or initialised silently. A training run writes its final drafter in this format
+(``<output_dir>/drafter``, recipes/train.py); ``export_from_checkpoint`` (``torchspec-export``)
+rebuilds the drafter of any step of a run (``<run_dir>/config.yaml`` + ``checkpoints/step_N``) and
+exports it, reading only the embedding and lm_head of the target.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +44,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from torchspec.models import DRAFTERS
 from torchspec.io import atomic_save_dir
+from torchspec.models import DRAFTERS
 
 EXPORT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -71,7 +74,8 @@ def weights_fingerprint(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor
 
 
 def target_identity(target_model) -> dict[str, Any]:
-    """The identity block of an export, from a ``torchspec.target.TargetModel``."""
+    """The identity block of an export, from a ``torchspec.targets.TargetDecoder`` or the
+    `TargetEmbeddings` of its checkpoint (equal for the same checkpoint: tested)."""
     return {
         "vocab_size": int(target_model.vocab_size),
         "hidden_size": int(target_model.hidden_size),
@@ -80,6 +84,60 @@ def target_identity(target_model) -> dict[str, Any]:
         "model_type": target_model.config.model_type,
         "fingerprint": weights_fingerprint(target_model.embed_tokens_weight, target_model.lm_head_weight),
     }
+
+
+@dataclass
+class TargetEmbeddings:
+    """What an export needs of a target, read from its checkpoint without building the model
+    (`read_target_embeddings`): the text config, the aux layer ids and the [V, H] embedding and
+    lm_head. Attribute names as ``TargetDecoder``'s, so `target_identity` and a drafter's
+    ``init_from_target`` take either."""
+
+    config: Any  # the HF text config
+    aux_layer_ids: list[int]
+    embed_tokens_weight: torch.Tensor  # [V, H]
+    lm_head_weight: torch.Tensor  # [V, H]; the embedding itself for a tied target
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+
+def read_target_embeddings(path: str, aux_layer_ids: list[int], dtype: torch.dtype) -> TargetEmbeddings:
+    """The embedding and lm_head of the target checkpoint directory ``path`` (resolved:
+    ``torchspec.targets.resolve_target_path``), each read whole with ``safe_open(...).get_tensor``
+    and cast to ``dtype`` exactly as ``TargetDecoder.from_pretrained`` casts them; no other tensor is
+    read. Key names and tying follow the target package (``checkpoint_key``, the family's
+    ``tied_lm_head``), so the identity equals the loaded decoder's."""
+    from torchspec.targets import family_of, load_target_config, validate_aux_layer_ids
+    from torchspec.targets.loader import checkpoint_key, safetensors_files
+
+    config = load_target_config(path).get_text_config()
+    args = family_of(config).decoder_args(config)
+    validate_aux_layer_ids(list(aux_layer_ids), args.num_layers)
+    files = safetensors_files(path)
+    tensors = {}
+    for name in ["embed_tokens.weight"] + ([] if args.tied_lm_head else ["lm_head.weight"]):
+        key = checkpoint_key(name)
+        if key not in files:
+            raise ValueError(f"target checkpoint {path!r} has no {key} (tie_word_embeddings={args.tied_lm_head}); "
+                             f"does config.json match the weights?")
+        with safe_open(files[key], framework="pt") as f:
+            tensor = f.get_tensor(key)
+        if list(tensor.shape) != [args.vocab_size, args.hidden_size]:
+            raise ValueError(f"target checkpoint {path!r}: {key} has shape {list(tensor.shape)}, config.json says "
+                             f"[{args.vocab_size}, {args.hidden_size}].")
+        tensors[name] = tensor.to(dtype)
+    embed = tensors["embed_tokens.weight"]
+    return TargetEmbeddings(config, [int(i) for i in aux_layer_ids], embed, tensors.get("lm_head.weight", embed))
 
 
 # --- export ----------------------------------------------------------------------------------------
@@ -163,7 +221,7 @@ def _drafter_classes(model_type: str | None) -> tuple[type, type]:
 
 
 def check_target(expected: dict[str, Any], target, source: str = "this drafter") -> None:
-    """Refuse a target (TargetModel or identity dict) whose identity differs from ``expected``."""
+    """Refuse a target (TargetDecoder or identity dict) whose identity differs from ``expected``."""
     got = target if isinstance(target, dict) else target_identity(target)
     differ = [k for k in IDENTITY_KEYS if expected.get(k) != got.get(k)]
     if differ:
@@ -191,7 +249,7 @@ def is_export(path: str | Path) -> bool:
 
 def load_exported_drafter(path: str | Path, *, target=None, dtype: torch.dtype | str | None = None,
                           attn_backend: str = "chunked") -> nn.Module:
-    """Load an export strictly; ``target`` (TargetModel or identity dict) is checked if given.
+    """Load an export strictly; ``target`` (TargetDecoder or identity dict) is checked if given.
 
     ``dtype``: the dtype of the returned drafter's floating weights (default: the export's).
     """
@@ -241,18 +299,23 @@ def load_exported_drafter(path: str | Path, *, target=None, dtype: torch.dtype |
 # --- from a training run ---------------------------------------------------------------------------
 
 def _checkpoint_dir(run_dir: Path, step: int | str | None) -> Path:
+    """The checkpoint to export, verified as a resume verifies it (``torchspec/train/checkpoint.py``):
+    the latest intact one (a damaged latest is skipped with a warning), or exactly ``step``."""
+    from torchspec.train.checkpoint import MANIFEST, newest_intact_checkpoint, verify_checkpoint
+
     root = run_dir / "checkpoints"
     if step is None or step == "latest":
-        latest = root / "latest"
-        if not latest.is_file():
-            raise ValueError(f"{run_dir} has no {latest.relative_to(run_dir)}: no complete checkpoint to export. "
+        path = newest_intact_checkpoint(root, fix=f"Export the run's final drafter ({run_dir / 'drafter'}) "
+                                                  f"instead, or train again to write a new checkpoint.")
+        if path is None:
+            raise ValueError(f"{run_dir} has no checkpoints/latest: no complete checkpoint to export. "
                              f"Pass a training run's output_dir.")
-        path = root / latest.read_text().strip()
-    else:
-        path = root / f"step_{int(step):06d}"
-    if not (path / "state.pt").is_file():
-        have = sorted(p.name for p in root.glob("step_*") if (p / "state.pt").is_file()) if root.is_dir() else []
-        raise ValueError(f"checkpoint {path} is missing or incomplete; {run_dir} has {have or 'none'}.")
+        return path
+    path = root / f"step_{int(step):06d}"
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        have = sorted(p.name for p in root.glob("step_*") if (p / MANIFEST).is_file()) if root.is_dir() else []
+        raise ValueError(f"checkpoint {path} cannot be exported ({problem}); {run_dir} has {have or 'none'}.")
     return path
 
 
@@ -260,15 +323,17 @@ def export_from_checkpoint(run_dir: str | Path, out_dir: str | Path, *, step: in
                            dtype: torch.dtype | str = "bfloat16") -> dict[str, Any]:
     """Rebuild the drafter of a training run at ``step`` (default: latest) and export it.
 
-    Loads the whole target (``TargetModel.from_pretrained``, in the run's ``target.dtype`` so the
-    frozen embedding is bit-identical to training's) for its config, embedding and lm_head; a
-    later version could read only those tensors from the checkpoint's safetensors.
+    For a run whose own end-of-run export (``<run_dir>/drafter``) is not the one wanted: another
+    step, dtype or layout, or a run from before training wrote serving exports. Of the target it
+    reads only the config, the embedding and the lm_head (`read_target_embeddings`, in the run's
+    ``target.dtype``, so the frozen embedding is bit-identical to training's); the model is never built.
     """
     from omegaconf import OmegaConf
 
     from torchspec.config import Config, validate_config
     from torchspec.models import build_drafter
-    from torchspec.target import TargetModel, resolve_target_path
+    from torchspec.targets import resolve_target_path
+    from torchspec.train.engine_base import ENGINE_DIR, read_engine_state
 
     run_dir = Path(run_dir)
     config_file = run_dir / "config.yaml"
@@ -281,21 +346,19 @@ def export_from_checkpoint(run_dir: str | Path, out_dir: str | Path, *, step: in
     if state["engine"] == "deepspeed":
         raise ValueError(
             f"{ckpt} was written by the DeepSpeed engine (per-rank ZeRO shards under deepspeed/). Export from the "
-            f"run's final {run_dir / 'drafter'} (save_pretrained) instead, or consolidate the shards with "
+            f"run's final serving export, {run_dir / 'drafter'}, instead, or consolidate the shards with "
             f"DeepSpeed's zero_to_fp32 (deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint).")
-    engine_state = torch.load(ckpt / "engine.pt", map_location="cpu", weights_only=False, mmap=True)
+    weights = read_engine_state(ckpt, "model")["model"]  # DCP shards of any world size, whole
 
     target_path = resolve_target_path(cfg.target.path, os.path.expanduser(cfg.target.cache_dir))
-    aux_ids = state["extra"].get("aux_layer_ids")
-    target_dtype = DTYPES[cfg.target.dtype]
-    target = TargetModel.from_pretrained(target_path, aux_layer_ids=aux_ids, dtype=target_dtype)
+    target = read_target_embeddings(target_path, state["extra"]["aux_layer_ids"], DTYPES[cfg.target.dtype])
     aux_ids = target.aux_layer_ids
 
     drafter = build_drafter(cfg.drafter, target.config, aux_ids)
     if "vocab_mapping" in state["extra"]:
         drafter.set_vocab_mapping(*state["extra"]["vocab_mapping"])
     drafter.lm_head.weight.requires_grad_(not cfg.drafter.freeze_lm_head)  # as recipes/train.py build_model
-    # engine.pt's "model" holds the trainable parameters and the persistent buffers (EAGLE-3's d2t/t2d).
+    # The checkpoint's "model" holds the trainable parameters and the persistent buffers (EAGLE-3's d2t/t2d).
     params = dict(drafter.named_parameters())
     frozen = sorted(n for n, p in params.items() if not p.requires_grad)
     expected = {n: t for n, t in drafter.state_dict().items() if n not in frozen}
@@ -306,12 +369,11 @@ def export_from_checkpoint(run_dir: str | Path, out_dir: str | Path, *, step: in
     unexpected = sorted(set(frozen) - {"embed_tokens.weight", "lm_head.weight"})
     assert not unexpected, f"frozen drafter weights with no source: {unexpected}"
 
-    weights = engine_state["model"]
     missing, unknown = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     shapes = [f"{k} {list(weights[k].shape)} (expected {list(expected[k].shape)})"
               for k in sorted(set(weights) & set(expected)) if weights[k].shape != expected[k].shape]
     if missing or unknown or shapes:
-        raise ValueError(f"{ckpt / 'engine.pt'} does not match the drafter of {config_file}: missing {missing}, "
+        raise ValueError(f"{ckpt / ENGINE_DIR} does not match the drafter of {config_file}: missing {missing}, "
                          f"unknown {unknown}, mis-shaped {shapes}.")
     with torch.no_grad():
         # EAGLE-3: the head rows are picked through the mapping set above. An efficient head's scorer

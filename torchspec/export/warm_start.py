@@ -48,6 +48,10 @@ What cannot map and is initialised deliberately:
   ``extra_norm`` (RMSNorm on the MoE output) starts at the dense MLP output's mean RMS on the fit
   samples (1 without). Without ``norm_topk_prob`` the experts' ``down`` is scaled by E/k, so the
   expected routed sum is the dense output.
+* **Config fields from the target.** The sizes must equal EAGLE-3's (``check_compatible``); the other
+  shared fields (``TARGET_FIELDS``: RoPE base, max positions, norms' eps) take the EAGLE-4 config's
+  value -- the target's, in torchspec-convert -- and ``report.config`` lists both values of each, so
+  a changed RoPE base is never silent (it also gets a note: the fitted q/k then rotate differently).
 * **Attention position/window.** EAGLE-3 had full causal attention with RoPE; EAGLE-4's
   ``sliding_window`` / ``nope`` are kept as configured (a window >= the training length changes
   nothing; NoPE changes the attention scores of the fitted q/k and is noted).
@@ -57,15 +61,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from torchspec.models.eagle3 import Eagle3Drafter
+from torchspec.models.config_base import SHARED_ARCH_FIELDS
+from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
 from torchspec.models.lm_head import EfficientLMHead
 from torchspec.models.moe import MoEMLP
 from torchspec.train.ttt import shift_left
+
+# Config fields shared by EAGLE-3 and EAGLE-4 that ``check_compatible`` does not require to be equal
+# (RoPE base, max positions, norms' eps): EAGLE-4's value is used (torchspec-convert sizes EAGLE-4 from
+# the target), and the report lists both values of each.
+COMPARED_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                   "intermediate_size", "aux_layer_ids", "target_num_layers")
+TARGET_FIELDS = tuple(k for k in SHARED_ARCH_FIELDS if k not in COMPARED_FIELDS)
 
 # Ridge strength of the fits, relative to the mean input variance. Directions the samples barely
 # visit (few distinct tokens, low-rank hidden states) must not get huge weights that training then
@@ -89,6 +102,8 @@ class ConversionReport:
     loaded: list[Entry] = field(default_factory=list)  # EAGLE-4 keys, values from EAGLE-3 (or the target)
     initialised: list[Entry] = field(default_factory=list)  # EAGLE-4 keys set deliberately (how: detail)
     dropped: list[Entry] = field(default_factory=list)  # EAGLE-3 keys not carried over verbatim (why: detail)
+    # Config fields EAGLE-4 does not take from EAGLE-3 (torchspec-convert: the target's): (name, EAGLE-3, EAGLE-4).
+    config: list[tuple[str, Any, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # fit relative errors etc.
 
@@ -104,6 +119,8 @@ def format_report(report: ConversionReport) -> str:
     lines += [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}" for a, b, c, d in rows]
     lines.append(f"{len(report.loaded)} loaded, {len(report.initialised)} initialised (EAGLE-4 keys); "
                  f"{len(report.dropped)} dropped (EAGLE-3 keys)")
+    lines += [f"config: {name} = {new} from the EAGLE-4 config (the target's), EAGLE-3 had {old}"
+              + (" (CHANGED)" if new != old else "") for name, old, new in report.config]
     lines += [f"note: {n}" for n in report.notes]
     lines += [f"metric: {k} = {v:.4f}" for k, v in report.metrics.items()]
     return "\n".join(lines)
@@ -224,8 +241,9 @@ def fit_attention_input(a4: Tensor, qkv: list[Tensor], g: Tensor, eps: float, re
 # --- conversion ------------------------------------------------------------------------------------
 
 
-def _check_compatible(e3: Eagle3Drafter, c4: Eagle4Config) -> None:
-    c3 = e3.config
+def check_compatible(c3: Eagle3Config, c4: Eagle4Config) -> None:
+    """Refuse an EAGLE-4 config whose sizes, aux layers or target differ from the EAGLE-3 drafter's (no
+    weights needed: torchspec-convert calls it before anything loads)."""
     inter4 = (c4.moe_intermediate_size or c4.intermediate_size) if c4.moe else c4.intermediate_size
     pairs = {
         "hidden_size": (c3.hidden_size, c4.hidden_size), "vocab_size": (c3.vocab_size, c4.vocab_size),
@@ -267,7 +285,7 @@ def eagle3_to_eagle4(
     its regularisation (see ``RIDGE``). ``e3`` is
     cast to fp32 and run in eval mode (its training mode is restored).
     """
-    _check_compatible(e3, e4_config)
+    check_compatible(e3.config, e4_config)
     if fit_aux is not None and fit_tokens is None:
         raise ValueError("eagle3_to_eagle4: fit_aux needs the fit_tokens it was captured on.")
     c3, h = e3.config, e4_config.hidden_size
@@ -278,6 +296,11 @@ def eagle3_to_eagle4(
     s3, s4 = e3.state_dict(), e4.state_dict()
     report = ConversionReport()
     done3: set[str] = set()
+    for name in TARGET_FIELDS:  # not checked equal above: EAGLE-4's value wins, and the report says so
+        report.config.append((name, getattr(c3, name), getattr(e4_config, name)))
+    if c3.rope_theta != e4_config.rope_theta and not e4_config.nope:
+        report.notes.append(f"RoPE base {e4_config.rope_theta:g} replaces EAGLE-3's {c3.rope_theta:g}: the fitted q/k "
+                            f"see other rotations at every position but 0, so attention scores change")
 
     def load(key4: str, key3: str | tuple[str, ...], value: Tensor | None = None, detail: str = "verbatim") -> None:
         keys3 = (key3,) if isinstance(key3, str) else key3
@@ -441,5 +464,5 @@ def _upcycle(e3, e4, c4: Eagle4Config, s4, steps, synthetic_aux: bool, report: C
                  f"mean RMS of EAGLE-3's MLP output ({scale:.3g}): RMSNorm(moe) ~ dense MLP")
 
 
-__all__ = ["ConversionReport", "Entry", "attention_fit_error", "collect_eagle3_samples", "eagle3_to_eagle4",
-           "fit_attention_input", "format_report"]
+__all__ = ["ConversionReport", "Entry", "attention_fit_error", "check_compatible", "collect_eagle3_samples",
+           "eagle3_to_eagle4", "fit_attention_input", "format_report"]

@@ -9,8 +9,9 @@ and has the signature ``fn(q, keys, values, scale, window, document_ids=None) ->
 
 The query of step k at position t attends to
 
-* step-0 keys at positions s with ``t - window < s <= t`` (``s <= t`` when window is None) and,
-  with ``document_ids``, ``document_ids[s] == document_ids[t]``, and
+* step-0 keys at positions s inside the sliding window, ``torchspec.attend.in_window(t, s, window)``
+  (the one statement of the rule, shared with the serving runtime) and, with ``document_ids``,
+  ``document_ids[s] == document_ids[t]``, and
 * the keys of steps 1..k at position t itself (the "diagonal"). They are always attended: they are
   the drafter's own guesses for this very position, so they lie inside any window by definition.
 
@@ -50,6 +51,11 @@ Backends (registry ``TTT_ATTENTION``, chosen by name with ``select_ttt_attention
   block-sparse mask, so only the window's tiles and one diagonal tile per step are computed. The
   fast path on CUDA (compiled); on CPU it runs uncompiled and forward only (a test of the mask).
 * ``auto`` (the default): ``flex`` for CUDA tensors, ``chunked`` for any other device.
+
+``TTTAttend`` wraps a backend into the drafter's attention contract (``torchspec.attend.Attend``):
+the drafter's attention module computes q/k/v and RoPE and calls ``attend(layer, q, k, v)``; the
+TTT attend appends this step's (k, v) to the unroll's KV list and runs the backend. Serving passes
+``torchspec.runtime.paged_kv.PagedAttend`` instead, so one drafter step serves both.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from torchspec.attend import in_window, softmax_scale
+from torchspec.models.layers import repeat_kv
 
 # fn(q, keys, values, scale, window, document_ids=None) -> out (see the module docstring)
 TTTAttention = Callable[..., torch.Tensor]
@@ -91,9 +100,8 @@ def ttt_attention_eager(
     _check(q, keys, values, window, document_ids)
     t = q.shape[-2]
     scores = torch.matmul(q, keys[0].transpose(-1, -2)).float() * scale  # [B, h, T, T]
-    allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    if window is not None:
-        allowed = allowed.triu(-(window - 1))  # s > t - window
+    pos = torch.arange(t, device=q.device)
+    allowed = in_window(pos[:, None], pos[None, :], window)  # [T, T]
     if document_ids is not None:
         allowed = allowed & _same_document(document_ids, document_ids)  # [B, 1, T, T]
     scores = scores.masked_fill(~allowed, float("-inf"))
@@ -118,9 +126,7 @@ def _chunk_attention(
     c, n0, steps = q.shape[-2], k0.shape[-2], len(diag) // 2
     rows = torch.arange(start, start + c, device=q.device)[:, None]
     cols = torch.arange(lo, lo + n0, device=q.device)[None, :]
-    allowed = cols <= rows  # [c, n0]
-    if window is not None:
-        allowed = allowed & (cols > rows - window)
+    allowed = in_window(rows, cols, window)  # [c, n0]
     if doc_q is not None:
         allowed = allowed & _same_document(doc_q, doc_k)  # [B, 1, c, n0]
     if steps:
@@ -200,7 +206,7 @@ def _build_block_mask(t: int, steps: int, window: int | None, device: torch.devi
     def mask_mod(b, h, q_idx, kv_idx):
         step = kv_idx // t_len
         pos = kv_idx - step * t_len
-        step0 = (step == 0) & (pos <= q_idx) & (q_idx - pos < win)
+        step0 = (step == 0) & in_window(q_idx, pos, win)
         if document_ids is not None:
             step0 = step0 & (document_ids[b, q_idx] == document_ids[b, pos])
         return step0 | ((step > 0) & (pos == q_idx))
@@ -269,3 +275,26 @@ def select_ttt_attention(name: str) -> TTTAttention:
     if name not in TTT_ATTENTION:
         raise ValueError(f"unknown TTT attention backend {name!r}; choose one of {sorted(TTT_ATTENTION)}")
     return TTT_ATTENTION[name]
+
+
+class TTTAttend:
+    """The ``torchspec.attend.Attend`` of the training unroll: its j-th call is TTT step j.
+
+    ``kv`` holds the (k, v) [B, kv_heads, T, D] of the steps so far (the caller may pass its own
+    list); each call appends this step's, expands GQA and runs ``backend`` with ``window`` and
+    ``document_ids`` [B, T] (packed rows; None = one document per row). The drafters have one
+    decoder layer, so ``layer`` is always 0.
+    """
+
+    def __init__(self, backend: TTTAttention, window: int | None, document_ids: torch.Tensor | None = None,
+                 kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        self.backend, self.window, self.document_ids = backend, window, document_ids
+        self.kv = [] if kv is None else kv
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert layer == 0, f"TTTAttend serves one-layer drafters, got layer {layer}"
+        self.kv.append((k, v))
+        groups = q.shape[1] // k.shape[1]
+        keys = [repeat_kv(kk, groups) for kk, _ in self.kv]
+        values = [repeat_kv(vv, groups) for _, vv in self.kv]
+        return self.backend(q, keys, values, softmax_scale(q), self.window, self.document_ids)  # [B, h, T, D]

@@ -2,14 +2,20 @@
 its meaning, and read back; unknown or missing keys are errors that name them (contract 6).
 
 A drafter config subclasses ``StrictDrafterConfig`` and declares ``ARCH_FIELDS``: an ordered
-mapping ``name -> (default, meaning)``. ``to_dict`` adds ``flag_meanings`` (the same meanings,
-for humans and other runtimes reading the export); ``from_dict`` rejects keys it does not know
-and keys it needs but does not find, instead of silently dropping or defaulting them.
+mapping ``name -> Flag(default, meaning, type)``. ``to_dict`` adds ``flag_meanings`` (the same
+meanings, for humans and other runtimes reading the export); ``from_dict`` rejects keys it does not
+know and keys it needs but does not find, instead of silently dropping or defaulting them.
+
+``ARCH_FIELDS`` is the ONE declaration of an architecture's flags: the training config's
+``drafter.*`` keys (``torchspec.config.DrafterConfig``, typed by ``Flag.type``), the mapping from
+those keys to the model config (``torchspec.models.drafter_config_from_target``) and the check that
+refuses a key the chosen architecture does not use are all derived from it. The fields that come
+from the target (``FROM_TARGET``) are not ``drafter.*`` keys.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from transformers import PretrainedConfig
 
@@ -27,26 +33,43 @@ _HF_BOOKKEEPING = {
 }
 
 
-# Fields every drafter shares: sizes from the target, positions, and the target's identity.
-SHARED_ARCH_FIELDS: dict[str, tuple[Any, str]] = {
-    "vocab_size": (None, "target vocabulary size V; the frozen embedding covers all of it"),
-    "hidden_size": (None, "drafter width H, equal to the target hidden size"),
-    "num_attention_heads": (None, "query heads of the decoder layer"),
-    "num_key_value_heads": (None, "key/value heads of the decoder layer (GQA)"),
-    "head_dim": (None, "per-head dimension"),
-    "intermediate_size": (None, "SwiGLU MLP inner width"),
-    "rms_norm_eps": (1e-6, "epsilon of every RMSNorm"),
-    "rope_theta": (10000.0, "RoPE base; positions of TTT step k at base position t are t + k"),
-    "max_position_embeddings": (4096, "longest context the drafter is configured for"),
-    "aux_layer_ids": (None, "target layers captured, 0-indexed, residual stream AFTER the layer"),
-    "target_num_layers": (None, "decoder layers of the target the drafter was trained on"),
+class Flag(NamedTuple):
+    """One architecture flag: its default, its meaning (written to config.json) and its type in the
+    training config (default: the default's type; say ``int | None`` where null is allowed)."""
+
+    default: Any
+    meaning: str
+    type: Any = None
+
+    @property
+    def annotation(self) -> Any:
+        return self.type if self.type is not None else type(self.default)
+
+
+# Fields every drafter shares: sizes from the target, positions, and the target's identity. The
+# four sizes are drafter.* keys too (null: the target's value); the others always come from the target.
+SHARED_ARCH_FIELDS: dict[str, Flag] = {
+    "vocab_size": Flag(None, "target vocabulary size V; the frozen embedding covers all of it", int),
+    "hidden_size": Flag(None, "drafter width H, equal to the target hidden size", int),
+    "num_attention_heads": Flag(None, "query heads of the decoder layer", int | None),
+    "num_key_value_heads": Flag(None, "key/value heads of the decoder layer (GQA)", int | None),
+    "head_dim": Flag(None, "per-head dimension", int | None),
+    "intermediate_size": Flag(None, "SwiGLU MLP inner width", int | None),
+    "rms_norm_eps": Flag(1e-6, "epsilon of every RMSNorm"),
+    "rope_theta": Flag(10000.0, "RoPE base; positions of TTT step k at base position t are t + k"),
+    "max_position_embeddings": Flag(4096, "longest context the drafter is configured for"),
+    "aux_layer_ids": Flag(None, "target layers captured, 0-indexed, residual stream AFTER the layer", list),
+    "target_num_layers": Flag(None, "decoder layers of the target the drafter was trained on", int),
 }
+# Shared fields that always come from the target (or the capture), never from a drafter.* key.
+FROM_TARGET = ("vocab_size", "hidden_size", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+               "aux_layer_ids", "target_num_layers")
 SHARED_REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                    "intermediate_size", "aux_layer_ids", "target_num_layers")
 
 
 class StrictDrafterConfig(PretrainedConfig):
-    ARCH_FIELDS: ClassVar[dict[str, tuple[Any, str]]] = {}
+    ARCH_FIELDS: ClassVar[dict[str, Flag]] = {}
     # Fields that must be given explicitly (no sensible default: they come from the target).
     REQUIRED: ClassVar[tuple[str, ...]] = ()
 
@@ -57,7 +80,7 @@ class StrictDrafterConfig(PretrainedConfig):
         cls.__init__ = StrictDrafterConfig.__init__
 
     def __init__(self, **kwargs: Any):
-        arch = {name: kwargs.pop(name, default) for name, (default, _) in self.ARCH_FIELDS.items()}
+        arch = {name: kwargs.pop(name, flag.default) for name, flag in self.ARCH_FIELDS.items()}
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
         for name, value in arch.items():
@@ -113,5 +136,5 @@ class StrictDrafterConfig(PretrainedConfig):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        out["flag_meanings"] = {name: meaning for name, (_, meaning) in self.ARCH_FIELDS.items()}
+        out["flag_meanings"] = {name: flag.meaning for name, flag in self.ARCH_FIELDS.items()}
         return out

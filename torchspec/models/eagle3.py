@@ -46,9 +46,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
-from torchspec.models.config_base import SHARED_ARCH_FIELDS, SHARED_REQUIRED, StrictDrafterConfig
+from torchspec.attend import Attend
+from torchspec.data.vocab import build_vocab_mapping, token_frequencies, vocab_coverage
+from torchspec.models.base import Drafter
+from torchspec.models.config_base import SHARED_ARCH_FIELDS, SHARED_REQUIRED, Flag, StrictDrafterConfig
 from torchspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 
 
@@ -56,11 +58,11 @@ class Eagle3Config(StrictDrafterConfig):
     model_type = "torchspec_eagle3"
     ARCH_FIELDS = {
         **SHARED_ARCH_FIELDS,
-        "draft_vocab_size": (None, "draft vocabulary size Vd <= V scored by lm_head; draft id i is target "
-                             "id i + d2t[i] (d2t, t2d are buffers in the weights)"),
-        "fc_norm": (False, "EAGLE-3.1: RMS-normalise each of the three captured states separately before fc"),
-        "norm_output": (False, "EAGLE-3.1: feed the final-normalised layer output (after norm) back as the "
-                        "next step's hidden; False feeds the pre-norm residual stream (plain EAGLE-3)"),
+        "draft_vocab_size": Flag(None, "draft vocabulary size Vd <= V scored by lm_head; draft id i is target "
+                                 "id i + d2t[i] (d2t, t2d are buffers in the weights)", int | None),
+        "fc_norm": Flag(False, "EAGLE-3.1: RMS-normalise each of the three captured states separately before fc"),
+        "norm_output": Flag(False, "EAGLE-3.1: feed the final-normalised layer output (after norm) back as the "
+                            "next step's hidden; False feeds the pre-norm residual stream (plain EAGLE-3)"),
     }
     REQUIRED = (*SHARED_REQUIRED, "draft_vocab_size")
 
@@ -104,35 +106,34 @@ def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, d
 class Eagle3DecoderLayer(nn.Module):
     """The EAGLE-3 "midlayer": attention reads cat(normed embedding, normed hidden) at width 2H."""
 
-    def __init__(self, cfg: Eagle3Config, attn_backend: str = "chunked"):
+    def __init__(self, cfg: Eagle3Config):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)  # on the token embedding
         self.hidden_norm = RMSNorm(h, eps)  # on the incoming hidden state
-        self.self_attn = Attention(2 * h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                   backend=attn_backend)
+        self.self_attn = Attention(2 * h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size)
 
-    def forward(self, emb, hidden, cos, sin, kv_cache, document_ids=None):
+    def forward(self, emb, hidden, cos, sin, attend: Attend):
         attn_in = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        x = hidden + self.self_attn(attn_in, cos, sin, kv_cache, document_ids)  # residual is the hidden, width H
+        x = hidden + self.self_attn(attn_in, cos, sin, attend)  # residual is the hidden, width H
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Drafter(PreTrainedModel):
+class Eagle3Drafter(Drafter):
     config_class = Eagle3Config
     base_model_prefix = "drafter"
     _supports_sdpa = False
 
     def __init__(self, config: Eagle3Config, attn_backend: str = "chunked"):
-        super().__init__(config)
+        super().__init__(config, attn_backend)
         h, v, vd, eps = config.hidden_size, config.vocab_size, config.draft_vocab_size, config.rms_norm_eps
         self.embed_tokens = nn.Embedding(v, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
         self.fc_norms = nn.ModuleList(RMSNorm(h, eps) for _ in range(3)) if config.fc_norm else None
         self.fc = nn.Linear(3 * h, h, bias=False)
-        self.layer = Eagle3DecoderLayer(config, attn_backend)
+        self.layer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(h, eps)
         self.lm_head = nn.Linear(h, vd, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
@@ -213,6 +214,25 @@ class Eagle3Drafter(PreTrainedModel):
         """Draft-vocab ids (any shape) -> target-vocab ids."""
         return draft_ids + self.d2t[draft_ids]
 
+    def draft_vocab_ids(self) -> torch.Tensor:
+        """[Vd] target id of every head row (the teacher is restricted to these in training)."""
+        return self.draft_target_ids()
+
+    def fit_vocab(self, train_set) -> str:
+        """The vocabulary-mapping hook: count the assistant tokens of the training split (never the
+        held-out one; every rank counts the same) and keep the Vd most frequent as the draft
+        vocabulary. Call before ``init_from_target``. Returns a line for the log."""
+        cfg = self.config
+        freqs = token_frequencies(train_set, cfg.vocab_size)
+        d2t, t2d = build_vocab_mapping(freqs, cfg.draft_vocab_size)
+        self.set_vocab_mapping(d2t, t2d)
+        return (f"draft vocabulary {cfg.draft_vocab_size} / {cfg.vocab_size} covers "
+                f"{100 * vocab_coverage(freqs, t2d):.1f}% of assistant tokens")
+
+    def vocab_mapping(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d2t, t2d): a checkpoint carries them so a resumed run can refuse a different mapping."""
+        return self.d2t, self.t2d
+
     def target_probs_for_loss(self, target_logits: torch.Tensor) -> torch.Tensor:
         """fp32 target logits [B, T, V] -> target probabilities over the draft vocabulary [B, T, Vd],
         renormalised inside it: softmax(target_logits[..., t2d]) (SpecForge convention).
@@ -222,6 +242,11 @@ class Eagle3Drafter(PreTrainedModel):
         return torch.softmax(target_logits.index_select(-1, self.draft_target_ids()).float(), dim=-1)
 
     # --- forward ------------------------------------------------------------------------------------
+
+    @property
+    def window(self) -> None:
+        """EAGLE-3 attends the full causal context."""
+        return None
 
     def fuse_target_states(self, aux_hidden_states: list[torch.Tensor]) -> torch.Tensor:
         """3 x [B, T, H] captured target states -> step-0 hidden [B, T, H]."""
@@ -234,28 +259,38 @@ class Eagle3Drafter(PreTrainedModel):
         input_ids: torch.Tensor,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        attend: Attend | list,
         token_mask: torch.Tensor | None = None,
         moe_stats: list | None = None,
+        *,
         document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting step over all positions.
+        """One drafting step over all positions, in training and in serving.
 
-        input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T].
-        ``token_mask`` and ``moe_stats`` belong to the shared drafter interface (MoE load statistics,
-        see Eagle4Drafter.step); EAGLE-3 has a dense MLP and ignores them. document_ids [B, T]
-        (packed rows, -1 on padding) keeps step-0 attention inside each document; None = one per row.
+        input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T];
+        ``attend``: ``self.ttt_attend(...)`` in training, ``PagedAttend`` in serving (see
+        ``Eagle4Drafter.step``; a list is shorthand for ``self.ttt_attend(document_ids, kv=list)``).
+        ``token_mask`` and ``moe_stats`` belong to the shared interface (MoE load statistics);
+        EAGLE-3 has a dense MLP and ignores them.
         Returns (normed [B, T, H] -> feed ``lm_head``; feedback [B, T, H] -> next step's hidden).
         """
+        attend = self._attend(attend, document_ids)
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary.cos_sin(positions)
-        x = self.layer(emb, hidden, cos, sin, kv_cache, document_ids)
+        x = self.layer(emb, hidden, cos, sin, attend)
         normed = self.norm(x)
         return normed, (normed if self.config.norm_output else x)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., Vd] logits over the draft vocabulary (map argmaxes with draft_to_target_ids)."""
         return self.lm_head(normed)
+
+    def target_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Serving: [..., H] -> fp32 [..., V], the draft logits scattered to their target ids through
+        d2t; target tokens outside the draft vocabulary get -inf."""
+        draft = self.lm_head(normed).float()  # [..., Vd]
+        out = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_target_ids(), draft)
 
     @torch.no_grad()
     def init_from_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,

@@ -4,7 +4,8 @@ Data flow of one drafting step (H = target hidden size, V = target vocabulary):
 
     step 0 hidden:  g = post_norm( fc( cat(norm_lo(h_lo), norm_mid(h_mid), norm_hi(h_hi)) ) )  3H -> H
     every step:     x = eh_proj( cat(embed_norm(E[token]), hidden_norm(g)) )                    2H -> H
-                    x = x + attn( input_layernorm(x) )          (GQA; RoPE or NoPE; sliding window)
+                    x = x + attn( input_layernorm(x) )          (GQA; RoPE or NoPE; the caller's attend
+                                                                 applies the sliding window)
                     x = x + mlp( post_attention_layernorm(x) )  (dense SwiGLU, or MoE: top-k routed
                                                                  SwiGLU experts + RMSNorm on their output)
                     y = norm(x);  logits = lm_head(y)   (full head; or the efficient head: a rank-r
@@ -21,9 +22,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
-from torchspec.models.config_base import SHARED_ARCH_FIELDS, SHARED_REQUIRED, StrictDrafterConfig
+from torchspec.attend import Attend
+from torchspec.models.base import Drafter
+from torchspec.models.config_base import SHARED_ARCH_FIELDS, SHARED_REQUIRED, Flag, StrictDrafterConfig
 from torchspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 from torchspec.models.lm_head import EfficientLMHead
 from torchspec.models.moe import MoEMLP
@@ -33,28 +35,29 @@ class Eagle4Config(StrictDrafterConfig):
     model_type = "torchspec_eagle4"
     ARCH_FIELDS = {
         **SHARED_ARCH_FIELDS,
-        "fc_norm": (True, "RMS-normalise each of the three captured states separately before fc"),
-        "fc_post_norm": (True, "RMSNorm applied right after fc (3H -> H), before the first step"),
-        "norm_output": (True, "feed the final-normalised layer output back as the next step's hidden "
-                        "(EAGLE-3.1 normalised feedback); False feeds the pre-norm residual stream"),
-        "pre_attn_norm": (True, "RMSNorm between eh_proj and attention (input_layernorm)"),
-        "sliding_window": (4096, "step-0 keys at positions t-window < s <= t are attended (RoPE positions "
-                           "unchanged); null = full causal; the TTT diagonal is always attended"),
-        "nope": (False, "no rotary embedding at all (NoPE); positions enter only through the causal mask"),
-        "lm_head_rank": (0, "rank r of the efficient LM head's vocabulary scorer: scores = up @ (down @ y), "
-                         "lm_head.down [r,H], lm_head.up [V,r]; the best lm_head_topk ids are re-scored exactly "
-                         "by lm_head.weight [V,H]; 0 = dense head only"),
-        "lm_head_topk": (128, "candidates k kept per token when drafting with the efficient head; every other "
-                         "token gets logit -inf (used when lm_head_rank > 0)"),
-        "moe": (False, "replace the decoder layer's dense SwiGLU MLP by a top-k routed mixture of SwiGLU "
-                "experts (torchspec.models.moe.MoEMLP)"),
-        "moe_num_experts": (8, "routed experts E (used when moe)"),
-        "moe_top_k": (2, "experts per token k (used when moe)"),
-        "moe_intermediate_size": (None, "inner width of each expert and the shared expert; null = intermediate_size"),
-        "moe_shared_expert": (False, "a SwiGLU expert applied to every token, added to the routed output"),
-        "moe_norm_topk_prob": (True, "routing weights = top-k softmax probs renormalised to sum 1; False = raw probs"),
-        "moe_extra_norm": (True, "RMSNorm on the MoE output before the residual add (EAGLE-4's extra "
-                           "normalisation after the dense part; the MoE input is already normalised)"),
+        "fc_norm": Flag(True, "RMS-normalise each of the three captured states separately before fc"),
+        "fc_post_norm": Flag(True, "RMSNorm applied right after fc (3H -> H), before the first step"),
+        "norm_output": Flag(True, "feed the final-normalised layer output back as the next step's hidden "
+                            "(EAGLE-3.1 normalised feedback); False feeds the pre-norm residual stream"),
+        "pre_attn_norm": Flag(True, "RMSNorm between eh_proj and attention (input_layernorm)"),
+        "sliding_window": Flag(4096, "step-0 keys at positions t-window < s <= t are attended (RoPE positions "
+                               "unchanged); null = full causal; the TTT diagonal is always attended", int | None),
+        "nope": Flag(False, "no rotary embedding at all (NoPE); positions enter only through the causal mask"),
+        "lm_head_rank": Flag(0, "rank r of the efficient LM head's vocabulary scorer: scores = up @ (down @ y), "
+                             "lm_head.down [r,H], lm_head.up [V,r]; the best lm_head_topk ids are re-scored "
+                             "exactly by lm_head.weight [V,H]; 0 = dense head only"),
+        "lm_head_topk": Flag(128, "candidates k kept per token when drafting with the efficient head; every other "
+                             "token gets logit -inf (used when lm_head_rank > 0)"),
+        "moe": Flag(False, "replace the decoder layer's dense SwiGLU MLP by a top-k routed mixture of SwiGLU "
+                    "experts (torchspec.models.moe.MoEMLP)"),
+        "moe_num_experts": Flag(8, "routed experts E (used when moe)"),
+        "moe_top_k": Flag(2, "experts per token k (used when moe)"),
+        "moe_intermediate_size": Flag(None, "inner width of each expert and the shared expert; null = "
+                                      "intermediate_size", int | None),
+        "moe_shared_expert": Flag(False, "a SwiGLU expert applied to every token, added to the routed output"),
+        "moe_norm_topk_prob": Flag(True, "routing weights = top-k softmax probs renormalised to sum 1; False = raw probs"),
+        "moe_extra_norm": Flag(True, "RMSNorm on the MoE output before the residual add (EAGLE-4's extra "
+                               "normalisation after the dense part; the MoE input is already normalised)"),
     }
     REQUIRED = SHARED_REQUIRED
 
@@ -74,12 +77,11 @@ class Eagle4Config(StrictDrafterConfig):
 
 
 class Eagle4DecoderLayer(nn.Module):
-    def __init__(self, cfg: Eagle4Config, attn_backend: str):
+    def __init__(self, cfg: Eagle4Config):
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps) if cfg.pre_attn_norm else nn.Identity()
-        self.self_attn = Attention(h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                   window=cfg.sliding_window, backend=attn_backend)
+        self.self_attn = Attention(h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.moe = cfg.moe
         if cfg.moe:
@@ -89,24 +91,24 @@ class Eagle4DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(h, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, kv_cache, token_mask=None, moe_stats=None, document_ids=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, document_ids)
+    def forward(self, x, cos, sin, attend: Attend, token_mask=None, moe_stats=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         h = self.post_attention_layernorm(x)
         if not self.moe:
             return x + self.mlp(h)
         out, stats = self.mlp(h, token_mask)
         if moe_stats is not None:
-            moe_stats.append(stats)  # one MoEStats per TTT step, like kv_cache
+            moe_stats.append(stats)  # one MoEStats per TTT step
         return x + out
 
 
-class Eagle4Drafter(PreTrainedModel):
+class Eagle4Drafter(Drafter):
     config_class = Eagle4Config
     base_model_prefix = "drafter"
     _supports_sdpa = False
 
     def __init__(self, config: Eagle4Config, attn_backend: str = "chunked"):
-        super().__init__(config)
+        super().__init__(config, attn_backend)
         h, v, eps = config.hidden_size, config.vocab_size, config.rms_norm_eps
         self.embed_tokens = nn.Embedding(v, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
@@ -116,7 +118,7 @@ class Eagle4Drafter(PreTrainedModel):
         self.embed_norm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.layer = Eagle4DecoderLayer(config, attn_backend)
+        self.layer = Eagle4DecoderLayer(config)
         self.norm = RMSNorm(h, eps)
         self.lm_head = (EfficientLMHead(h, v, config.lm_head_rank, config.lm_head_topk) if config.lm_head_rank
                         else nn.Linear(h, v, bias=False))
@@ -139,6 +141,10 @@ class Eagle4Drafter(PreTrainedModel):
             d = self.config.head_dim
             module.inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2).float() / d))
 
+    @property
+    def window(self) -> int | None:
+        return self.config.sliding_window
+
     def fuse_target_states(self, aux_hidden_states: list[torch.Tensor]) -> torch.Tensor:
         """3 x [B, T, H] captured target states -> step-0 hidden [B, T, H]."""
         if self.fc_norms is not None:
@@ -150,33 +156,56 @@ class Eagle4Drafter(PreTrainedModel):
         input_ids: torch.Tensor,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        attend: Attend | list,
         token_mask: torch.Tensor | None = None,
         moe_stats: list | None = None,
+        *,
         document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting step over all positions.
+        """One drafting step over all positions, in training and in serving.
 
-        input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T];
+        input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T]
+        (RoPE; unused with NoPE); ``attend`` (``torchspec/attend.py``): ``self.ttt_attend(...)`` in
+        the training unroll, ``PagedAttend`` in serving; it owns the keys and the sliding window.
         token_mask [B, T] marks real tokens (MoE load statistics count only those); the MoE layer
-        appends its ``MoEStats`` to ``moe_stats``. document_ids [B, T] (packed rows: document index
-        per token, -1 on padding) keeps step-0 attention inside each document; None = one per row.
-        Returns (normed [B, T, H] -> feed ``lm_head``; feedback [B, T, H] -> next step's hidden).
+        appends its ``MoEStats`` to ``moe_stats``. A list as ``attend`` (with ``document_ids``) is
+        shorthand for ``self.ttt_attend(document_ids, kv=that_list)``.
+        Returns (normed [B, T, H] -> feed the head; feedback [B, T, H] -> next step's hidden).
         """
+        attend = self._attend(attend, document_ids)
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         x = self.eh_proj(torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], dim=-1))
         cos, sin = (None, None) if self.config.nope else self.rotary.cos_sin(positions)
-        x = self.layer(x, cos, sin, kv_cache, token_mask, moe_stats, document_ids)
+        x = self.layer(x, cos, sin, attend, token_mask, moe_stats)
         normed = self.norm(x)
         return normed, (normed if self.config.norm_output else x)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., V] logits over the full target vocabulary."""
+        """[..., H] -> [..., V] logits over the full target vocabulary (the dense head, also for an
+        efficient head: training scores every token)."""
         return self.lm_head(normed)
+
+    def target_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Serving: [..., H] -> fp32 [..., V]. An efficient head scores only its top-k candidates
+        exactly (-inf elsewhere); a dense head scores every token."""
+        if isinstance(self.lm_head, EfficientLMHead):
+            return self.lm_head.draft_logits_sparse(normed).float()
+        return self.lm_head(normed).float()
 
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """EAGLE-4 drafts in the target vocabulary: the identity map (cf. EAGLE-3's d2t)."""
         return draft_ids
+
+    def draft_vocab_ids(self) -> None:
+        """The head covers the full target vocabulary."""
+        return None
+
+    def fit_vocab(self, train_set) -> None:
+        """No pruned vocabulary: the efficient head prunes per token instead."""
+        return None
+
+    def vocab_mapping(self) -> None:
+        return None
 
     @torch.no_grad()
     def init_from_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,

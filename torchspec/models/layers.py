@@ -1,14 +1,12 @@
 """Building blocks shared by the drafters: RMSNorm, rotary embeddings, SwiGLU MLP and the
-grouped-query attention used inside the training-time-test (TTT) unroll.
+grouped-query attention module.
 
-TTT attention is the one unusual piece. During the K-step unroll (see ``torchspec/train/ttt.py``)
-the query of step k at position t attends to the step-0 keys at positions t - window < s <= t
-(ordinary causal, optionally sliding-window, attention over the sequence) and to the keys of steps
-1..k at position t only (the "diagonal": the drafter's own earlier guesses for this position,
-exactly what its KV cache holds when it drafts k tokens ahead in serving). The backends that
-compute it (eager reference, chunked SDPA, flex) live in ``torchspec/models/attention.py`` and
-are chosen once per model. With packed rows (several documents per row) ``document_ids`` [B, T]
-restricts the step-0 keys to the query's own document.
+The attention module computes q/k/v (projections, RoPE or NoPE) and hands them to an ``attend``
+the CALLER chose (the contract of ``torchspec/attend.py``): the training unroll passes a
+``torchspec.models.attention.TTTAttend`` (the K-step TTT pattern: step-0 keys in the sliding
+window, the drafter's own earlier steps on the diagonal; ``torchspec/train/ttt.py``), serving passes
+``torchspec.runtime.paged_kv.PagedAttend`` over the runtime's KV cache. The module itself knows
+neither the window nor the backend, so the drafter step is the same code in both.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchspec.models.attention import select_ttt_attention
+from torchspec.attend import Attend
 
 
 class RMSNorm(nn.Module):
@@ -80,21 +78,12 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE (or none: NoPE), used inside the TTT unroll.
+    """Grouped-query attention with RoPE (or none: NoPE) around a caller-chosen ``attend``."""
 
-    ``kv_cache`` is the list of (k, v) of the earlier TTT steps of this forward (empty at
-    step 0); this call appends its own and attends with the chosen backend of
-    ``torchspec.models.attention`` (step-0 keys within ``window`` and, given ``document_ids``
-    [B, T], within the query's document; diagonal keys of later steps).
-    """
-
-    def __init__(self, in_dim: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 window: int | None = None, backend: str = "chunked"):
+    def __init__(self, in_dim: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.window = window
-        self.attend = select_ttt_attention(backend)
         self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
@@ -112,19 +101,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor | None,
-        sin: torch.Tensor | None,
-        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
-        document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, attend: Attend,
+                layer: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
-        kv_cache.append((k, v))
-        groups = self.num_heads // self.num_kv_heads
-        keys = [repeat_kv(kk, groups) for kk, _ in kv_cache]
-        values = [repeat_kv(vv, groups) for _, vv in kv_cache]
-        out = self.attend(q, keys, values, self.head_dim**-0.5, self.window, document_ids)  # [B, h, T, D]
+        out = attend(layer, q, k, v)  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

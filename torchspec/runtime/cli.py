@@ -6,12 +6,21 @@ Speculation: ``--no-spec`` (plain decoder), ``--tree`` (default) or ``--chain``,
 ``--topk`` and ``--num-nodes`` (dynamic tree), ``--branching`` (sampled tree at T > 0, children per
 node at each depth), ``--candidates auto|sampled|deterministic``.
 Sampling: ``--temperature`` (0 = greedy), ``--top-p``, ``--top-k``, ``--seed``.
+
+``check_engine_args``, ``check_output_file`` and ``read_prompt_set`` refuse bad
+values and paths before any model loads, so a typo costs a second, not a target load.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+from pathlib import Path
 
+import torch
+
+from torchspec.cli import check_at_least, check_safetensors, read_json
 from torchspec.runtime.drafting import SpecConfig
 from torchspec.runtime.sampling import SamplingParams
 
@@ -21,7 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default="smollm2", help="HF checkpoint dir, .gguf file, or alias (default smollm2)")
     g.add_argument("--drafter", default=None, help="torchspec drafter export dir (omit with --no-spec)")
     g.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
-    g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     g.add_argument("--max-batch", type=int, default=8, help="concurrent sequences (slots)")
     g.add_argument("--max-context", type=int, default=2048, help="tokens per sequence, prompt included")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -77,3 +87,55 @@ def spec_from_args(args) -> SpecConfig | None:
 def engine_kwargs(args) -> dict:
     return {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch,
             "max_context": args.max_context, "page_size": args.page_size, "cache_dir": args.cache_dir}
+
+
+def check_engine_args(args, spec: SpecConfig | None) -> None:
+    """The engine's options and the drafter export, checked before the target loads."""
+    check_at_least("--max-batch", args.max_batch, 1)
+    check_at_least("--max-context", args.max_context, 2)
+    check_at_least("--page-size", args.page_size, 1)
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device={args.device!r} is not a device; pass cpu, cuda or cuda:N.") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device={args.device}: no CUDA device is visible here; pass --device cpu.")
+    if spec is not None and args.drafter is not None:
+        check_drafter_export(args.drafter)
+
+
+def check_drafter_export(path: str) -> None:
+    """--drafter: a torchspec export whose config.json parses and whose weights header reads."""
+    fix = "pass a torchspec export directory (torchspec-export RUN_DIR OUT_DIR writes one)"
+    if not os.path.isdir(path):
+        raise ValueError(f"--drafter {path} {'is a file' if os.path.exists(path) else 'does not exist'}; {fix}.")
+    config = read_json(Path(path) / "config.json", fix + ".")
+    if "torchspec_export_version" not in config:
+        raise ValueError(f"--drafter {path}: config.json has no torchspec_export_version, so it is not a torchspec "
+                         f"export (a save_pretrained or converted drafter?); {fix}.")
+    check_safetensors(Path(path) / "model.safetensors", "re-export the drafter.")
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """An output file the command writes at the end: refuse now what would fail after the whole run."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory; pass a file path (e.g. {os.path.join(path, 'out.json')}).")
+    parent = os.path.dirname(path) or "."
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a directory; pass another path.")
+
+
+def read_prompt_set(source: str) -> list:
+    """``load_prompt_set``, with a directory, a garbled JSONL line and an empty file refused by name."""
+    from torchspec.runtime.prompts import load_prompt_set
+
+    if os.path.isdir(source):
+        raise ValueError(f"prompt file {source} is a directory; pass a .txt or .jsonl file, or mtbench / humaneval.")
+    try:
+        prompts = load_prompt_set(source)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"prompt file {source}: a line is not JSON ({err}); write one JSON object per line.") from err
+    if not prompts:
+        raise ValueError(f"prompt file {source} holds no prompt; write one per line (.txt) or per JSON line (.jsonl).")
+    return prompts

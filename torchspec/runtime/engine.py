@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchspec.runtime.decoder import TargetDecoder
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
 from torchspec.runtime.graphs import StepGraphs
 from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.steps import Caches, plain_step, prefill, speculate
+from torchspec.targets import TargetDecoder
 
 
 @dataclass

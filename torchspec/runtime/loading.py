@@ -13,10 +13,9 @@ import os
 import torch
 
 from torchspec.export.serving import is_export, load_exported_drafter, weights_fingerprint
-from torchspec.runtime.decoder import TargetDecoder
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.engine import SpeculativeEngine
-from torchspec.target.loader import load_tokenizer, resolve_target_path
+from torchspec.targets import TargetDecoder, load_tokenizer, resolve_target_path
 
 DEFAULT_CACHE_DIR = "~/.cache/torchspec"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,7 +52,7 @@ def load_engine(target: str, drafter: str | None = None, *, device: str | torch.
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, device)
     path = resolve_target_path(target, os.path.expanduser(cache_dir))
-    decoder = TargetDecoder.from_pretrained(path, dtype=dtype, device=device, tp_group=tp_group)
+    decoder = TargetDecoder.from_pretrained(path, aux_layer_ids=(), dtype=dtype, device=device, tp_group=tp_group)
     tokenizer = _optional_tokenizer(path)
     runner = None
     if drafter is not None:

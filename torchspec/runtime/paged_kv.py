@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from torchspec.attend import in_window
+
 TRASH_PAGE = 0
 
 
@@ -136,9 +138,7 @@ def build_attention_meta(
     if anchor is None:
         anchor = (ctx_len - 1)[:, None].expand(b, tq)
     a = anchor[:, :, None]
-    committed = (j < ctx) & (j <= a)
-    if window is not None:
-        committed &= j > a - window
+    committed = (j < ctx) & in_window(a, j, window)  # the one sliding-window rule (torchspec.attend)
     rel = j - ctx  # [B, 1, S]
     in_new = (rel >= 0) & (rel < width)
     tree_ok = torch.gather(tree_mask, 2, rel.clamp(0, width - 1).expand(b, tq, s))

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from torchspec.runtime.decoder import TargetDecoder
+from torchspec.attend import in_window
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, draft_round
-from torchspec.runtime.paged_kv import PagedKVCache, build_attention_meta, slots_for_positions
+from torchspec.runtime.paged_kv import PagedAttend, PagedKVCache, build_attention_meta, slots_for_positions
 from torchspec.runtime.sampling import SamplingParams, process_logits, sample
 from torchspec.runtime.verify import verify_greedy, verify_sampling
+from torchspec.targets import TargetDecoder
 
 
 @dataclass
@@ -56,11 +57,9 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 
 def causal_mask(b: int, t: int, device, window: int | None = None) -> torch.Tensor:
+    """[B, T, T] bool: query i sees key j by THE window rule (`torchspec.attend.in_window`)."""
     i = torch.arange(t, device=device)
-    mask = i[:, None] >= i[None, :]
-    if window is not None:
-        mask &= i[:, None] - i[None, :] < window
-    return mask.expand(b, t, t)
+    return in_window(i[:, None], i[None, :], window).expand(b, t, t)
 
 
 def catch_up_drafter(runner: DrafterRunner, caches: Caches, block_table: torch.Tensor, ctx: torch.Tensor,
@@ -91,7 +90,7 @@ def prefill(decoder: TargetDecoder, runner: DrafterRunner | None, caches: Caches
     positions = torch.arange(t, device=dev).expand(b, t)
     meta = build_attention_meta(block_table, zero, causal_mask(b, t, dev), caches.page_size, row_valid=valid)
     aux_ids = tuple(runner.config.aux_layer_ids) if runner is not None else ()
-    out = decoder(prompts, positions, caches.target, meta, capture_layers=aux_ids)
+    out = decoder(prompts, positions, PagedAttend(caches.target, meta), capture_layers=aux_ids)
     last = (lengths - 1)[:, None, None]
     hidden_last = torch.gather(out.hidden, 1, last.expand(b, 1, out.hidden.shape[-1]))[:, 0]
     first = next_token(decoder.logits(hidden_last), params, generator)  # [B]
@@ -112,7 +111,7 @@ def plain_step(decoder: TargetDecoder, caches: Caches, block_table: torch.Tensor
     dev = root.device
     meta = build_attention_meta(block_table, ctx, torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
                                 caches.page_size, row_valid=row_valid)
-    out = decoder(root[:, None], ctx[:, None], caches.target, meta)
+    out = decoder(root[:, None], ctx[:, None], PagedAttend(caches.target, meta))
     tok = next_token(decoder.logits(out.hidden[:, 0]), params, generator)
     return StepOut(tokens=tok[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=tok)
 
@@ -125,7 +124,7 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
     dev = tree.tokens.device
     ctx, bt = inp.ctx_len, inp.block_table
     meta = build_attention_meta(bt, ctx, tree.attention_mask(spec.depth), caches.page_size, row_valid=inp.row_valid)
-    out = decoder(tree.tokens, ctx[:, None] + tree.depths, caches.target, meta,
+    out = decoder(tree.tokens, ctx[:, None] + tree.depths, PagedAttend(caches.target, meta),
                   capture_layers=tuple(runner.config.aux_layer_ids))
     logits = decoder.logits(out.hidden)  # [B, N, V] fp32
     if params.greedy:

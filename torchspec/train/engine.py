@@ -28,11 +28,13 @@ bf16 mode. No engine autocasts: ``unroll`` casts the captured target states to b
 the GPU, where the target produces bf16) and the parameters already are bf16 when the forward runs.
 
 **Resume state.** ``save(dir)`` / ``load(dir)`` are collective (every rank calls them with the
-same directory). "none" and "fsdp2" write one unsharded file, ``engine.pt`` = ``state_dict()``:
-trainable drafter weights and AdamW state keyed by the drafter's parameter names, and the
-scheduler; the weights are fp32 at either precision (under bf16, the masters). Being unsharded,
-it loads at any world size and precision into either of the two kinds.
-DeepSpeed writes its own per-rank files (see ``engine_deepspeed.py``).
+same directory). "none" and "fsdp2" go through ``torch.distributed.checkpoint`` (DCP) into
+``dir/engine/``: ``resume_state()`` = trainable drafter weights (fp32 at either precision; under
+bf16 the masters) and persistent buffers, AdamW state, both keyed by the drafter's own parameter
+names, and the scheduler. Every rank writes its own shard (nothing is gathered on rank 0) and DCP
+reshards on load, so a checkpoint loads at any world size and precision into either of the two
+kinds. ``save(dir, async_save=True)`` writes in a background thread (``checkpoint.py`` publishes
+the checkpoint once it completed). DeepSpeed writes its own per-rank files (see ``engine_deepspeed.py``).
 """
 
 from __future__ import annotations

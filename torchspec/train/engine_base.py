@@ -7,21 +7,26 @@ gradient averaging, precision, resume state) is in ``engine.py``'s docstring.
 
 from __future__ import annotations
 
-import os
+import contextlib
+import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
 from torchspec.train.optim import MasterWeights, build_adamw, with_implementation
@@ -30,7 +35,8 @@ from torchspec.train.ttt import TTTResult, ttt_unroll
 ENGINES = ("none", "deepspeed", "fsdp2")
 PRECISIONS = ("fp32", "bf16")
 PREFIX = "drafter."  # TTTModel's name for the drafter; checkpoints use the drafter's own names
-ENGINE_FILE = "engine.pt"
+ENGINE_DIR = "engine"  # the DCP checkpoint of "none"/"fsdp2": .metadata + one __<rank>_0.distcp per rank
+LEGACY_ENGINE_FILE = "engine.pt"  # the unsharded file of torchspec before DCP (refused with a message)
 
 
 @dataclass
@@ -85,11 +91,75 @@ def rekey(model_sd: dict, optim_sd: dict | None, fn: Callable[[str], str]) -> tu
     return model_sd, optim_sd
 
 
-def fsync_save(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+def _distributed() -> bool:
+    return dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _one_process_is_meant():
+    """DCP warns at every save/load without a process group that it assumes one process: we mean that."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+_CHECKPOINT_GROUP: list = []  # [the gloo group background (async) checkpoint writes use], once created
+
+
+def _checkpoint_group():
+    """A gloo group over the whole world for DCP's background writes: its collectives run in another
+    thread, and must not interleave with the training thread's on the default group. Created on the
+    first async save (collective, like the save itself); None without torch.distributed."""
+    if not _distributed():
+        return None
+    if not _CHECKPOINT_GROUP:
+        _CHECKPOINT_GROUP.append(dist.new_group(backend="gloo"))
+    return _CHECKPOINT_GROUP[0]
+
+
+@torch.no_grad()
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped its state (AdamW: step 1, zero moments) through one step
+    at lr 0 on zero gradients, as ``get_state_dict`` does for module parameters; the masters of
+    ``MasterWeights`` are plain tensors (no ``requires_grad``), which that helper skips."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    assert all(p.grad is None for p in params), "optimizer state initialised with gradients pending"
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _saved_weight_names(path: str | Path) -> set[str]:
+    """The ``model`` names of the DCP checkpoint under ``path/engine/`` (from its metadata; no tensor read)."""
+    source = Path(path) / ENGINE_DIR
+    if not (source / ".metadata").is_file():
+        if (Path(path) / LEGACY_ENGINE_FILE).is_file():
+            raise ValueError(f"{path} holds {LEGACY_ENGINE_FILE}, the unsharded layout of an older torchspec; this "
+                             f"version reads DCP checkpoints ({ENGINE_DIR}/). Resume it with the torchspec that "
+                             f"wrote it, or start a new output_dir.")
+        raise ValueError(f"{source}/.metadata is missing: {path} was not written by the 'none' or 'fsdp2' engine.")
+    paths = dcp.FileSystemReader(source).read_metadata().planner_data.values()
+    return {p[1] for p in paths if p[0] == "model"}
+
+
+def read_engine_state(path: str | Path, part: str | None = None) -> dict[str, Any]:
+    """The whole resume state of a "none"/"fsdp2" checkpoint directory as plain CPU tensors, in this
+    process (no process group; for export and inspection, not for resuming): ``{"model": {name:
+    tensor}, "optimizer": {...}, "scheduler": {...}}``, or only ``part`` of it (e.g. "model")."""
+    _saved_weight_names(path)  # a clear error if there is no DCP checkpoint there
+    # DCP's own "load without a template" (format_utils.dcp_to_torch_save uses the same two calls).
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(Path(path) / ENGINE_DIR),
+                     planner=_EmptyStateDictLoadPlanner(keys=None if part is None else {part}), no_dist=True)
+    return state
 
 
 class TrainingEngine:
@@ -160,70 +230,67 @@ class TrainingEngine:
         return self.scheduler.get_last_lr()[0]
 
     # --- resume state ------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Full (unsharded) resume state on rank 0 (other ranks get ``{}``); collective.
+    def resume_state(self) -> dict[str, Any]:
+        """This rank's part of the resume state, as DCP saves it and loads it in place; collective.
 
-        ``model``: trainable drafter weights, fp32 (the masters under bf16; frozen ones come back
-        from the target); ``optimizer``: AdamW state keyed by parameter name; ``scheduler``: LambdaLR state.
+        ``model``: the trainable drafter weights, fp32 at either precision (the masters under "none"
+        bf16; this rank's DTensor shards under FSDP2), and the persistent buffers (EAGLE-3's d2t/t2d);
+        frozen weights come back from the target. ``optimizer``: the AdamW state. Both keyed by the
+        drafter's own parameter names, so the "none" and "fsdp2" layouts are one (DCP reshards).
+        ``scheduler``: the LambdaLR state. An optimizer that has not stepped yet gets its state
+        initialised (zero moments, as ``get_state_dict`` does), so there is always one to save or fill.
         """
         if self.masters is not None:
+            _init_state(self.optimizer)
             model_sd, optim_sd = self.masters.state_dict()
+            params = dict(self.module.named_parameters())
+            model_sd.update({k: v for k, v in self.module.state_dict().items() if k not in params})  # buffers
         else:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+            options = StateDictOptions(ignore_frozen_params=True)
             model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=options)
-        if not is_rank0():
-            return {}
         model_sd, optim_sd = rekey(model_sd, optim_sd, lambda k: k.removeprefix(PREFIX))
-        return {"kind": self.kind, "model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore ``state_dict()``'s output, written at any world size by "none" or "fsdp2".
-        Collective; only rank 0's ``state`` is read (others may pass ``None``)."""
-        if is_rank0():
-            expected = {n.removeprefix(PREFIX) for n, p in self.module.named_parameters() if p.requires_grad}
-            got = set(state["model"])
-            if state.get("kind") not in ("none", "fsdp2") or got != expected:
-                raise ValueError(
-                    f"engine state (kind {state.get('kind')!r}) does not match this {self.kind!r} drafter: missing "
-                    f"{sorted(expected - got)[:8]}, unexpected {sorted(got - expected)[:8]}. Resume with the "
-                    f"drafter config and engine it was written with, or start a new output_dir.")
-            model_sd, optim_sd = rekey(state["model"], state["optimizer"], lambda k: PREFIX + k)
-            optim_sd = with_implementation(optim_sd, self.optimizer)  # written fused (GPU) or foreach
-            sched = state["scheduler"]
-        else:
-            model_sd, optim_sd, sched = {}, {}, None
-        self._set_state(model_sd, optim_sd)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [sched]
-            dist.broadcast_object_list(box, src=0)
-            sched = box[0]
-        self.scheduler.load_state_dict(sched)
-
-    def _set_state(self, model_sd: dict, optim_sd: dict) -> None:
-        if self.masters is not None:  # one process ("none"): nothing to broadcast
-            self.masters.load_state_dict(model_sd, optim_sd)
-            return
-        # strict=False: frozen weights are not in the checkpoint (the key check above is strict).
-        # Two calls, not set_state_dict: that one skips the model on ranks passing an empty dict.
-        options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=self.dp_size > 1)
-        set_model_state_dict(self.module, model_sd, options=options)
-        set_optimizer_state_dict(self.module, self.optimizer, optim_sd, options=options)
-
-    def save(self, path: str | Path) -> None:
-        """Write the resume state into the existing directory ``path`` (collective; rank 0 writes)."""
-        state = self.state_dict()
-        if is_rank0():
-            fsync_save(state, Path(path) / ENGINE_FILE)
+    def save(self, path: str | Path, async_save: bool = False) -> Future | None:
+        """Write the resume state into ``path/engine/`` through DCP: every rank writes its own shard
+        (``__<rank>_0.distcp``), rank 0 the ``.metadata``; collective, ``path`` must exist.
+        ``async_save``: stage a copy in memory and write it in a background thread; returns the
+        future, which the caller waits on before publishing the checkpoint (``checkpoint.py``)."""
+        target = Path(path) / ENGINE_DIR
+        state = self.resume_state()
+        with _one_process_is_meant():
+            if not async_save:
+                dcp.save(state, checkpoint_id=target, no_dist=not _distributed())
+                return None
+            return dcp.async_save(state, checkpoint_id=target, no_dist=not _distributed(),
+                                  process_group=_checkpoint_group())
 
     def load(self, path: str | Path) -> None:
-        """Restore what ``save`` wrote (collective; only rank 0 reads the file)."""
-        file = Path(path) / ENGINE_FILE
-        state = None
-        if is_rank0():
-            if not file.is_file():
-                raise ValueError(f"{file} is missing: {path} was not written by the 'none' or 'fsdp2' engine.")
-            state = torch.load(file, map_location="cpu", weights_only=False)
-        self.load_state_dict(state)
+        """Restore what ``save`` wrote, at this world size (DCP reads the slices each rank needs);
+        collective. Written by "none" or "fsdp2" at any world size and precision."""
+        source = Path(path) / ENGINE_DIR
+        saved = _saved_weight_names(path)
+        state = self.resume_state()  # the template DCP loads into: this engine's shapes and shards
+        if set(state["model"]) != saved:
+            expected = set(state["model"])
+            raise ValueError(
+                f"engine state in {source} does not match this {self.kind!r} drafter: missing "
+                f"{sorted(expected - saved)[:8]}, unexpected {sorted(saved - expected)[:8]}. Resume with the "
+                f"drafter config it was written with, or start a new output_dir.")
+        with _one_process_is_meant():
+            dcp.load(state, checkpoint_id=source, no_dist=not _distributed())
+        model_sd, optim_sd = rekey(state["model"], state["optimizer"], lambda k: PREFIX + k)
+        optim_sd = with_implementation(optim_sd, self.optimizer)  # written fused (GPU) or foreach
+        if self.masters is not None:
+            params = dict(self.module.named_parameters())
+            self.masters.load_state_dict({k: v for k, v in model_sd.items() if k in params}, optim_sd)
+            self.module.load_state_dict({k: v for k, v in model_sd.items() if k not in params}, strict=False)
+        else:
+            # strict=False: frozen weights are not in the checkpoint (the name check above is strict).
+            options = StateDictOptions(strict=False)
+            set_model_state_dict(self.module, model_sd, options=options)
+            set_optimizer_state_dict(self.module, self.optimizer, optim_sd, options=options)
+        self.scheduler.load_state_dict(state["scheduler"])
 
     def drafter_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 drafter weights, frozen ones included, on rank 0 (for export); collective.

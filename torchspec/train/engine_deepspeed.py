@@ -26,7 +26,8 @@ Resume: DeepSpeed's own ``save_checkpoint`` / ``load_checkpoint`` (every rank wr
 partition; fp32 master weights come back from the optimizer partitions, so resume is exact),
 plus ``engine.json`` recording the stage and dp world size. A checkpoint only resumes with the
 same dp world size and stage (refused with a message otherwise; DeepSpeed's ``ds_to_universal``
-converts one for another world size).
+converts one for another world size). Saving is synchronous (``train.async_checkpoint`` is for
+"none"/"fsdp2"); ``checkpoint.py`` seals these files with its manifest like any other.
 
 CPU note: DeepSpeed's comm backend JIT-compiles a shared-memory all-reduce kernel on first use
 on CPU (~100 s, cached per TORCH_EXTENSIONS_DIR), used only by DeepSpeed's inference all-reduce,
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchspec.io import atomic_write_text
 from torchspec.train.engine_base import (
     OptimConfig,
     TrainingEngine,
@@ -172,19 +174,19 @@ class DeepSpeedEngine(TrainingEngine):
     def lr(self) -> float:
         return self.ds.get_lr()[0]
 
-    def state_dict(self) -> dict[str, Any]:
+    def resume_state(self) -> dict[str, Any]:
         raise NotImplementedError("the deepspeed engine's resume state is per-rank files: use save(dir) / load(dir).")
 
-    def load_state_dict(self, state) -> None:
-        raise NotImplementedError("the deepspeed engine's resume state is per-rank files: use save(dir) / load(dir).")
-
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, async_save: bool = False) -> None:
         """Every rank writes its part under ``path/deepspeed/`` (collective; ``path`` must exist)."""
+        if async_save:
+            raise ValueError("train.async_checkpoint=true needs parallel.engine=none or fsdp2: DeepSpeed writes its "
+                             "checkpoints synchronously.")
         self.ds.save_checkpoint(str(path), tag=TAG, client_state={}, save_latest=False,
                                 exclude_frozen_parameters=True)
         if is_rank0():
             meta = {"kind": self.kind, "zero_stage": self.zero_stage, "dp_world_size": self.dp_size}
-            (Path(path) / META_FILE).write_text(json.dumps(meta) + "\n")
+            atomic_write_text(Path(path) / META_FILE, json.dumps(meta) + "\n")
 
     def load(self, path: str | Path) -> None:
         file = Path(path) / META_FILE

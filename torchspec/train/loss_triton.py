@@ -156,10 +156,10 @@ def _grad_kernel(z_ptr, zt_ptr, s_ptr, w_ptr, lse_t_ptr, lse_z_ptr, lse_s_ptr, s
         tl.store(ct_ptr + out, cnt_t, mask=kmask)
 
 
-def _lse(m: Tensor, l: Tensor) -> Tensor:
+def _lse(m: Tensor, sum_exp: Tensor) -> Tensor:
     """Combine per-split (max, sum-exp) [..., S] into log-sum-exp [...]."""
     top = m.max(-1).values
-    return top + torch.log((l * torch.exp(m - top[..., None])).sum(-1))
+    return top + torch.log((sum_exp * torch.exp(m - top[..., None])).sum(-1))
 
 
 def _argmax(best: Tensor, idx: Tensor) -> Tensor:

@@ -5,6 +5,10 @@ Keys: ``train/loss``, ``train/acc_k``, ``train/kl_k``, ``train/acceptance_length
 ``train/grad_norm``, ``train/tokens_per_s`` (real, non-padding tokens per second over all ranks) and the same ``eval/...`` keys on the held-out set.
 ``acceptance_length = 1 + sum_k prod_{i<=k} acc_k``: the 1 is the bonus token every verification
 round yields, so an untrained drafter scores ~1.0 and a perfect one ``ttt_steps + 1``.
+
+Crash safety: every record is fsynced as it is appended, so a checkpoint written after it can
+count on it; a resume drops the records logged after its checkpoint (and a line torn by a crash
+mid-append), so ``metrics.jsonl`` of a killed-and-resumed run equals the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -38,11 +42,17 @@ class MetricsLogger:
                                     config=run_config, resume="allow")
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop records the interrupted run logged after its last checkpoint."""
+        """On resume, drop records the interrupted run logged after its last checkpoint, and a last
+        line a crash tore mid-append (only the last line can be torn: every append is fsynced)."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        text = self.path.read_text()
+        lines = text.splitlines()
+        if lines and not text.endswith("\n"):
+            lines.pop()
+        kept = "".join(line + "\n" for line in lines if json.loads(line)["step"] <= step)
+        if kept != text:  # a finished or cleanly stopped run's file is left untouched
+            atomic_write_text(self.path, kept)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -50,6 +60,8 @@ class MetricsLogger:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # durable before any checkpoint that counts this record as logged
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 

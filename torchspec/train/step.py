@@ -95,10 +95,10 @@ def target_forward(target, batch: dict[str, torch.Tensor], tp_group) -> tuple[li
     """
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "document_ids") if k in batch}
     if tp_group is None:
-        out = target(**inputs)
+        out = target.capture(**inputs)
         return out.aux_hidden_states, out.last_hidden_state
     union, layout = gather_tp_batch(inputs, tp_group, pad_values={"document_ids": -1})  # padding: no document
-    out = target(**union)
+    out = target.capture(**union)
     r = dist.get_rank(tp_group)
     return [scatter_for_rank(a, layout, r) for a in out.aux_hidden_states], scatter_for_rank(out.last_hidden_state, layout, r)
 

@@ -19,9 +19,11 @@ Worked toy example, T = 6, tokens [s, u, A, B, C, e], loss_mask [0, 0, 1, 1, 1, 
     k=2: t=0 feeds (g_0^(2), B) -> predicts C; t=1 -> e; t>=2 invalid.
 
 Attention: the query of step k at t sees step-0 keys at positions <= t and the keys of steps
-1..k at t itself (``torchspec.models.attention``; with a sliding window only step-0 keys at
-t - window < s <= t), i.e. exactly the draft KV cache
-the drafter would have after drafting k tokens beyond the committed prefix x_0..x_{t+1}.
+1..k at t itself (``torchspec.models.attention``; with a sliding window only the step-0 keys
+``torchspec.attend.in_window`` admits), i.e. exactly the draft KV cache the drafter would have
+after drafting k tokens beyond the committed prefix x_0..x_{t+1}. The step itself is THE drafter
+step that serving runs too (``drafter.step`` with the drafter's TTT attend here, a paged attend
+there; ``tests/unit/test_drafter_step_parity.py`` pins the two together).
 
 Loss (contract 4): per valid token, forward KL(p_target || q_draft) in fp32; step k summed over
 its valid tokens, divided by the GLOBAL number of valid tokens of step k (summed over data-parallel
@@ -103,9 +105,26 @@ def shift_right(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
 def drafter_teacher(teacher: TeacherHead, drafter) -> TeacherHead:
     """The teacher over the drafter's output vocabulary: EAGLE-3's pruned draft vocabulary (the
     loss renormalises inside it) or EAGLE-4's full one. The argmax stays over the full vocabulary."""
-    if hasattr(drafter, "draft_target_ids"):
-        return teacher.restricted(drafter.draft_target_ids())
-    return teacher
+    ids = drafter.draft_vocab_ids()
+    return teacher if ids is None else teacher.restricted(ids)
+
+
+def unroll_steps(drafter, input_ids: torch.Tensor, hidden: torch.Tensor, num_steps: int,
+                 position_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
+                 token_mask: torch.Tensor | None = None, moe_stats: list | None = None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The K drafter steps of the unroll (shift and positions of contract 3), unscored: step k at
+    position t feeds token x_{t+k+1}, RoPE position t + k and the feedback of step k-1 (``hidden``
+    = the fused target states for step 0). Returns (normed, feedback) [B, T, H] per step, by input
+    position t."""
+    attend = drafter.ttt_attend(document_ids)  # one KV list for the whole unroll
+    real = token_mask if token_mask is not None else torch.ones_like(input_ids)
+    out = []
+    for k in range(num_steps):
+        normed, hidden = drafter.step(shift_left(input_ids, k + 1), hidden, position_ids + k, attend,
+                                      token_mask=shift_left(real, k + 1), moe_stats=moe_stats)
+        out.append((normed, hidden))
+    return out
 
 
 def ttt_unroll(
@@ -141,15 +160,9 @@ def ttt_unroll(
     if position_ids is None:
         position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
     hidden = drafter.fuse_target_states(aux_hidden_states)  # [B, T, H]
-    kv_cache: list = []
     moe_stats: list = []
-    real = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    states = []
-    for k in range(num_steps):
-        normed, hidden = drafter.step(shift_left(input_ids, k + 1), hidden, position_ids + k, kv_cache,
-                                      token_mask=shift_left(real, k + 1), moe_stats=moe_stats,
-                                      document_ids=document_ids)
-        states.append(shift_right(normed, k + 1))  # by target position p = t + k + 1
+    steps = unroll_steps(drafter, input_ids, hidden, num_steps, position_ids, document_ids, attention_mask, moe_stats)
+    states = [shift_right(normed, k + 1) for k, (normed, _) in enumerate(steps)]  # by target position p = t + k + 1
     states = torch.stack(states, dim=2).reshape(b * t, num_steps, -1)  # [B*T, K, H]
     valid = scored_mask(loss_mask, num_steps, document_ids).reshape(b * t, num_steps)  # [N, K]
     step_weight = decay ** torch.arange(num_steps, device=valid.device, dtype=torch.float64)

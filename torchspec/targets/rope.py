@@ -1,4 +1,4 @@
-"""Rotary position embeddings for Llama / Qwen3-style targets, matching Hugging Face bit for bit.
+"""Rotary position embeddings of the target decoder, matching Hugging Face bit for bit.
 
 ``RopeTables.from_config(config)`` reads the checkpoint's RoPE settings and computes the inverse
 frequencies once; ``tables(positions, dtype)`` then gives ``cos, sin : [*positions.shape, head_dim]``

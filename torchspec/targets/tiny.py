@@ -1,8 +1,9 @@
-"""A tiny random target (Llama or Qwen3 flavour) built from a config: no download, CPU-fast.
+"""A tiny random target (one flavour per supported family) built from a config: no download, CPU-fast.
 
 The ``debugmodel`` of the target side: unit, distributed and integration tests build one into a
 temp dir and load it through the same path as a real checkpoint. Defaults keep 4 KV heads so the
-model shards over TP=4.
+model shards over TP=4. Flavours: llama, mistral (no sliding window), qwen2 (q/k/v bias), qwen3
+(per-head q/k norm); transformers builds and saves them, and serves as the oracle in tests.
 """
 
 from __future__ import annotations
@@ -10,12 +11,25 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 TINY_FLAVOURS = {
     "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
+# Settings a flavour needs beyond the shared sizes (the decoder supports full attention only).
+FLAVOUR_KWARGS = {"mistral": {"sliding_window": None}}
 
 
 def build_tiny_target(
@@ -69,6 +83,7 @@ def build_tiny_target(
         rms_norm_eps=1e-6,
         initializer_range=initializer_range,
         tie_word_embeddings=tie_word_embeddings,
+        **FLAVOUR_KWARGS.get(flavour, {}),
         **token_ids,
     )
     with torch.random.fork_rng(devices=[]):

@@ -1,6 +1,6 @@
-"""Find a target checkpoint on disk, and read its config and tokenizer.
+"""Find a target checkpoint on disk; read its config, tokenizer and (this rank's slices of) its weights.
 
-Everything downstream (capture, TP sharding, the runtime) reads one thing: a local Hugging Face
+Everything downstream (training capture, serving) reads one thing: a local Hugging Face
 checkpoint directory (config.json + *.safetensors + tokenizer files). `resolve_target_path`
 turns each accepted spelling of a target into such a directory:
 
@@ -10,11 +10,17 @@ turns each accepted spelling of a target into such a directory:
   ``cache_dir``; later calls reuse the cache.
 - a checkpoint directory: checked (causal-LM architecture, weights present) and returned as is.
 
-Nothing here touches the network.
+A config.json that is not valid JSON, or that transformers cannot read, is a one-line ValueError
+naming the file. `check_tp_size` is THE tensor-parallel size check (config time and model build).
+`load_weights` fills a model built on the meta device with this rank's slices only: each tensor
+is read through ``safe_open(...).get_slice`` along the dim the family's TP plan shards, so no rank
+ever materialises the whole checkpoint. Nothing here touches the network; transformers is used
+for AutoConfig, the tokenizer and the GGUF conversion only, never as the target model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import hashlib
@@ -28,7 +34,11 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from torchspec.targets.layers import TP_STYLES
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +81,7 @@ def check_checkpoint_dir(path: str) -> None:
             f"target directory {path!r} has no config.json, so it is not a Hugging Face checkpoint. "
             f"Accepted: {_ACCEPTED_FORMS}."
         )
-    with open(config_file) as f:
-        architectures = json.load(f).get("architectures") or []
+    architectures = read_config_json(config_file).get("architectures") or []
     if not any(arch.endswith("ForCausalLM") for arch in architectures):
         raise ValueError(
             f"target directory {path!r} is not a causal LM: config.json architectures={architectures}, "
@@ -96,9 +105,32 @@ def check_checkpoint_dir(path: str) -> None:
     )
 
 
+def read_config_json(config_file: str) -> dict:
+    """config.json as a dict; a corrupt file is a one-line ValueError naming it."""
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = (f"{err.msg} at line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError)
+                 else f"not UTF-8 text: {err.reason} at byte {err.start}")
+        raise ValueError(
+            f"target config {config_file} is not valid JSON ({where}); fix or re-download the checkpoint's config.json."
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"target config {config_file} holds a JSON {type(config).__name__}, not an object.")
+    return config
+
+
 def load_target_config(path: str) -> PretrainedConfig:
     """The checkpoint's config only (no weights): cheap enough to validate settings against."""
-    return AutoConfig.from_pretrained(path)
+    config_file = os.path.join(path, "config.json")
+    if os.path.isfile(config_file):
+        read_config_json(config_file)  # a corrupt file: our one-line message, not transformers' OSError
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"target config {config_file} cannot be read by transformers: {first_line}") from None
 
 
 def load_tokenizer(path: str):
@@ -187,3 +219,90 @@ def _convert_gguf(gguf_path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "torchspec_source.json"), "w") as f:
         json.dump({"gguf": os.path.abspath(gguf_path), "cache_key": gguf_cache_key(gguf_path)}, f, indent=2)
+
+
+# --- tensor parallelism: the size check and this rank's slices of the weights ----------------------
+
+
+def check_tp_size(sizes: dict[str, int], tp: int) -> None:
+    """THE tensor-parallel size check: every size the family splits over tp ranks must divide by tp.
+
+    `sizes` comes from the family (e.g. `torchspec.targets.llama.tp_sharded_sizes`). ValueError
+    naming every size that does not divide and listing the tp sizes that work.
+    """
+    bad = {name: size for name, size in sizes.items() if size % tp}
+    if bad:
+        ok = [d for d in range(1, min(sizes.values()) + 1) if all(size % d == 0 for size in sizes.values())]
+        raise ValueError(
+            f"tensor-parallel size {tp} (parallel.target_tp) does not shard this target: "
+            + ", ".join(f"{name}={size}" for name, size in bad.items())
+            + f" not divisible by {tp} (each tp rank holds an equal share of whole heads and of the MLP). "
+            + "Target sizes: " + ", ".join(f"{name}={size}" for name, size in sizes.items())
+            + f". Supported tp sizes: {ok}."
+        )
+
+
+def checkpoint_key(name: str) -> str:
+    """Our parameter name -> the HF checkpoint key (the decoder's modules mirror ``model.*``)."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def shard_dim(name: str, plan: dict[str, str]) -> int | None:
+    """The dim of parameter `name` (e.g. ``layers.3.self_attn.q_proj.weight``) that TP splits, or None."""
+    parts = name.split(".")
+    if parts[0] != "layers":
+        return None  # embedding, final norm, lm_head: replicated
+    module, attr = ".".join(parts[2:-1]), parts[-1]
+    style = plan.get(module)
+    return None if style is None else TP_STYLES[style].get(attr)
+
+
+def safetensors_files(path: str) -> dict[str, str]:
+    """Checkpoint key -> the safetensors file holding it (index file, else every *.safetensors)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"checkpoint {path!r} has no *.safetensors; re-save it with save_pretrained().")
+    out = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            out.update(dict.fromkeys(f.keys(), file))
+    return out
+
+
+def load_weights(model: nn.Module, path: str, plan: dict[str, str], tp_rank: int, tp_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+    """Replace `model`'s (meta) parameters with this rank's slices of `path`'s safetensors.
+
+    The model was built at this rank's shard sizes; along a parameter's `shard_dim` the checkpoint
+    holds tp_size times as much, and rank r reads the r-th block. Everything else is read whole.
+    """
+    key_to_file = safetensors_files(path)
+    names = [n for n, _ in model.named_parameters()]
+    missing = [checkpoint_key(n) for n in names if checkpoint_key(n) not in key_to_file]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} weights: {missing[:4]}")
+    with contextlib.ExitStack() as stack:
+        files = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(key_to_file.values()))}
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            local_shape = list(getattr(module, attr).shape)
+            key = checkpoint_key(name)
+            stored = files[key_to_file[key]].get_slice(key)
+            dim = shard_dim(name, plan)
+            full_shape, index = list(local_shape), [slice(None)] * len(local_shape)
+            if dim is not None:
+                n = local_shape[dim]
+                full_shape[dim] = n * tp_size
+                index[dim] = slice(tp_rank * n, (tp_rank + 1) * n)
+            if list(stored.get_shape()) != full_shape:
+                raise ValueError(
+                    f"checkpoint {path!r}: {key} has shape {stored.get_shape()}, the model expects {full_shape} "
+                    "(does config.json match the weights?)"
+                )
+            value = stored[tuple(index)].to(device=device, dtype=dtype)
+            setattr(module, attr, nn.Parameter(value, requires_grad=False))

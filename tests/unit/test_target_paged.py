@@ -1,8 +1,10 @@
-"""The runtime target decoder (paged KV, own RoPE) against transformers, on tiny random targets.
+"""The target decoder's serving forward (PagedAttend over the paged KV cache) against transformers.
 
 Parity in fp32 (1e-4 abs on logits): batched prefill with rows of different lengths and an
 invalid (padding) row; incremental decode with per-row context lengths; a tree-masked forward
-vs the plain causal forward of each node's root-to-node path; captured states vs `TargetModel`.
+vs the plain causal forward of each node's root-to-node path. The paged forward's captured
+states, last hidden and logits equal the training capture's (same module, only the attend
+differs) for every tiny family.
 Variants cover every supported RoPE type, untied head, attention/MLP biases (randomised, HF
 initialises them to zero), Qwen2's q/k/v bias, and a sharded checkpoint. Pages are handed out
 non-contiguously (page_size 4) so every sequence spans several scattered pages.
@@ -25,11 +27,14 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from torchspec.runtime.decoder import TargetDecoder, decoder_args
-from torchspec.runtime.paged_kv import PageAllocator, build_attention_meta
-from torchspec.runtime.rope import RopeTables
+from torchspec.runtime.paged_kv import PageAllocator, PagedAttend, build_attention_meta
 from torchspec.runtime.tree import tree_attention_mask
-from torchspec.target import TargetModel, build_tiny_target
+from torchspec.targets import TINY_FLAVOURS, TargetDecoder, build_tiny_target, family_of
+from torchspec.targets.rope import RopeTables
+
+
+def decoder_args(config, tp_size: int = 1):
+    return family_of(config).decoder_args(config, tp_size)
 
 VOCAB = 384
 PAGE = 4
@@ -101,7 +106,7 @@ def case(request, tmp_path_factory, tiny_tokenizer):
     else:
         path = _build_variant(out, request.param)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return request.param, path, hf, TargetDecoder.from_pretrained(path)
+    return request.param, path, hf, TargetDecoder.from_pretrained(path, aux_layer_ids=())
 
 
 def _block_tables(batch: int, num_pages: int = 32) -> torch.Tensor:
@@ -118,7 +123,7 @@ def _forward(dec, cache, bt, ids, ctx_len, tree_mask=None, positions=None, row_v
     if positions is None:
         positions = ctx_len[:, None] + torch.arange(t)
     meta = build_attention_meta(bt, ctx_len, tree_mask, PAGE, row_valid=row_valid)
-    return dec.logits(dec(ids, positions, cache, meta).hidden)
+    return dec.logits(dec(ids, positions, PagedAttend(cache, meta)).hidden)
 
 
 @torch.no_grad()
@@ -185,12 +190,18 @@ def test_tree_forward_matches_each_path(case):
             assert diff <= ATOL, f"{name} row {row} node {node}: {diff}"
 
 
-def test_capture_matches_target_model(tiny_target_dir):
+@pytest.fixture(scope="module", params=sorted(TINY_FLAVOURS))
+def family_dir(request, tmp_path_factory):
+    return build_tiny_target(str(tmp_path_factory.mktemp(f"fam_{request.param}")), request.param,
+                             vocab_size=VOCAB, num_kv_heads=2)
+
+
+def test_paged_forward_equals_capture_forward(family_dir):
+    """Same module, two attends: the serving forward over the paged cache == training capture (fp32)."""
     aux_ids = (1, 3, 4)
-    ref = TargetModel.from_pretrained(tiny_target_dir, aux_layer_ids=list(aux_ids))
-    dec = TargetDecoder.from_pretrained(tiny_target_dir)
+    dec = TargetDecoder.from_pretrained(family_dir, aux_layer_ids=list(aux_ids))
     ids = _ids(2, 9, seed=4)
-    want = ref(ids)
+    want = dec.capture(ids)
     cache = dec.make_kv_cache(32, PAGE)
     meta = build_attention_meta(
         _block_tables(2),
@@ -198,21 +209,22 @@ def test_capture_matches_target_model(tiny_target_dir):
         torch.ones(9, 9, dtype=torch.bool).tril().expand(2, 9, 9),
         PAGE,
     )
-    out = dec(ids, torch.arange(9).expand(2, 9), cache, meta, capture_layers=aux_ids)
+    out = dec(ids, torch.arange(9).expand(2, 9), PagedAttend(cache, meta), capture_layers=aux_ids)
     assert len(out.aux) == 3
     for j, (a, b) in enumerate(zip(out.aux, want.aux_hidden_states)):
         assert a.shape == b.shape == (2, 9, 64)
         assert (a - b).abs().max().item() <= 1e-5, f"aux {aux_ids[j]}"
     assert (out.hidden - want.last_hidden_state).abs().max().item() <= 1e-5
+    assert (dec.logits(out.hidden) - dec.target_logits(want.last_hidden_state)).abs().max().item() <= 1e-5
     # aux id L-1 is the pre-norm residual (not HF's last hidden_states entry): capture's convention too.
-    last = dec(ids, torch.arange(9).expand(2, 9), cache, meta, capture_layers=(7,))
+    last = dec(ids, torch.arange(9).expand(2, 9), PagedAttend(cache, meta), capture_layers=(7,))
     assert not torch.allclose(last.aux[0], out.hidden)
     with pytest.raises(ValueError, match=r"capture_layers \[8\] outside \[0, 7\]"):
-        dec(ids, torch.arange(9).expand(2, 9), cache, meta, capture_layers=(8,))
+        dec(ids, torch.arange(9).expand(2, 9), PagedAttend(cache, meta), capture_layers=(8,))
 
 
 def test_properties_and_cache(tiny_target_dir, tiny_tokenizer):
-    dec = TargetDecoder.from_pretrained(tiny_target_dir)
+    dec = TargetDecoder.from_pretrained(tiny_target_dir, aux_layer_ids=())
     assert (dec.num_layers, dec.hidden_size, dec.vocab_size, dec.head_dim, dec.num_kv_heads_local) == (
         8,
         64,
@@ -253,7 +265,7 @@ def test_unsupported_configs_are_refused(tmp_path, tiny_llama_dir):
     ):
         decoder_args(GPT2Config())
     with pytest.raises(
-        ValueError, match=r"tensor parallel size 3 .*num_attention_heads=4.*Supported tp sizes: \[1, 2, 4\]"
+        ValueError, match=r"tensor-parallel size 3 .*num_attention_heads=4.*Supported tp sizes: \[1, 2, 4\]"
     ):
         decoder_args(LlamaConfig(**{**SMALL, "num_key_value_heads": 4, "intermediate_size": 128}), tp_size=3)
     with pytest.raises(ValueError, match=r"num_key_value_heads=2 not divisible by 4"):
@@ -276,4 +288,4 @@ def test_unsupported_configs_are_refused(tmp_path, tiny_llama_dir):
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
     with pytest.raises(ValueError, match=r"lacks 32 weights: .*q_proj.bias"):
-        TargetDecoder.from_pretrained(str(broken))
+        TargetDecoder.from_pretrained(str(broken), aux_layer_ids=())

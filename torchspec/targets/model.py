@@ -1,0 +1,252 @@
+"""THE target decoder: one module for training capture and for serving, with its own tensor parallelism.
+
+    embedding -> L x family layer (q/k/v, norms, RoPE, then the caller's attend) -> final RMSNorm;  lm_head
+
+One forward (`TargetDecoder.forward`) serves both worlds; only the `Attend` differs
+(``torchspec/attend.py``):
+
+    training capture   decoder.capture(input_ids, document_ids=...)          DenseAttend (causal SDPA,
+                       -> TargetOutput(3 aux states, post-norm last hidden)   block-diagonal when packed)
+    serving            decoder(ids, positions, PagedAttend(cache, meta),      paged KV cache
+                               capture_layers=aux_ids) -> DecoderOutput
+
+so the drafter sees in serving exactly the numerics it saw in training. The forward has no host
+sync and no data-dependent Python branch (CUDA-graph friendly). ``logits(hidden)`` applies the
+lm_head separately, so callers decide which positions need ``[.., V]``.
+
+Families: ``ARCHITECTURES`` maps a config's ``model_type`` to the module that implements its layers
+(today `torchspec.targets.llama` for llama / mistral / qwen2 / qwen3). A family module provides
+``decoder_args(config, tp_size)`` (validation, incl. `loader.check_tp_size`, and this shard's
+sizes), ``DecoderLayer(args, index, group)`` with ``forward(x, cos, sin, attend)``, and ``TP_PLAN``.
+
+Tensor parallelism over a ``torch.distributed`` group (training: the mesh's tp group,
+``mesh["tp"].get_group()``; serving: the tp group of the launch): the layers hold this rank's
+shard and all-reduce after their row-parallel projections, so every rank holds full hidden states
+and every captured state is a plain, full tensor. `from_pretrained` follows "build on meta, then
+load": config, aux ids and tp size are validated first, the model is built on the meta device at
+this rank's shard sizes, and each rank reads only its own slices of the safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torchspec.attend import Attend
+from torchspec.targets import llama
+from torchspec.targets.capture import (
+    TargetOutput,
+    default_aux_layer_ids,
+    dense_attend,
+    validate_aux_layer_ids,
+)
+from torchspec.targets.layers import RMSNorm
+from torchspec.targets.loader import load_target_config, load_weights, resolve_target_path
+from torchspec.targets.rope import RopeTables
+
+DEFAULT_CACHE_DIR = "~/.cache/torchspec"  # same default as TargetConfig.cache_dir (GGUF conversions)
+
+# config.model_type -> the module implementing that family's layers (see the module docstring).
+ARCHITECTURES = dict.fromkeys(llama.FAMILIES, llama)
+
+
+def family_of(config):
+    """The family module of an HF (text) config; ValueError listing the supported model types."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"config model_type={model_type!r} is not supported by TargetDecoder; supported: {sorted(ARCHITECTURES)}."
+        )
+    return ARCHITECTURES[model_type]
+
+
+def validate_tp_for_target(target_config, tp: int) -> None:
+    """Config-time check that the target's family is supported and shards over ``tp`` ranks."""
+    config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    family_of(config).decoder_args(config, tp)
+
+
+@dataclass
+class DecoderOutput:
+    hidden: Tensor  # [B, T, H] after the final norm (lm_head input)
+    aux: list[Tensor]  # one [B, T, H] per capture layer id: residual stream after that layer
+
+
+class TargetDecoder(nn.Module):
+    """The frozen target; see the module docstring.
+
+    ``aux_layer_ids``: the 3 layers `capture` records (contract 1), or ``()`` for a decoder that
+    only serves (the runtime passes ``capture_layers`` per forward).
+    """
+
+    def __init__(self, config, aux_layer_ids: Sequence[int] = (), *, tp_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.family = family_of(config)
+        self.args = a = self.family.decoder_args(config, tp_size)
+        if len(aux_layer_ids):
+            validate_aux_layer_ids(list(aux_layer_ids), a.num_layers)
+        self._aux_layer_ids = [int(i) for i in aux_layer_ids]
+        self.tp_size, self.tp_rank = tp_size, (dist.get_rank(tp_group) if tp_group is not None else 0)
+        group = tp_group if tp_size > 1 else None
+        self.config = config  # the HF text config
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(self.family.DecoderLayer(a, i, group) for i in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = None if a.tied_lm_head else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        with torch.device("cpu"):  # real tables even when the rest is built on meta
+            self.rope = RopeTables.from_config(config)
+        self._eos_token_ids = _eos_ids(getattr(config, "eos_token_id", None))
+        self.requires_grad_(False)
+        self.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        aux_layer_ids: Sequence[int] | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tp_group: dist.ProcessGroup | None = None,
+        cache_dir: str = DEFAULT_CACHE_DIR,
+    ) -> TargetDecoder:
+        """Load a HF checkpoint dir, a ``.gguf`` file or an alias (``smollm2``): this rank's shards only.
+
+        ``aux_layer_ids``: None = the default ``[1, L//2 - 1, L - 4]``; ``()`` = none (serving).
+        Config, ids and tp size are checked before any weight is read.
+        """
+        path = resolve_target_path(path, os.path.expanduser(cache_dir))
+        config = load_target_config(path).get_text_config()
+        if aux_layer_ids is None:
+            aux_layer_ids = default_aux_layer_ids(config.num_hidden_layers)
+        with torch.device("meta"):
+            model = cls(config, aux_layer_ids, tp_group=tp_group)  # validates before any weight is read
+        device = torch.device(device)
+        load_weights(model, path, model.family.TP_PLAN, model.tp_rank, model.tp_size, dtype, device)
+        model.rope.to(device)
+        gen_config = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_config):
+            with open(gen_config) as f:
+                model._eos_token_ids = _eos_ids(*model._eos_token_ids, json.load(f).get("eos_token_id"))
+        return model
+
+    def train(self, mode: bool = True) -> TargetDecoder:
+        # Frozen means eval forever: a parent's .train() must not switch anything back on.
+        return super().train(False)
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, positions: Tensor, attend: Attend,
+                capture_layers: Sequence[int] = ()) -> DecoderOutput:
+        """input_ids, positions [B, T] long (RoPE positions: per document in packed rows, ctx_len + depth
+        for tree nodes); ``attend`` decides which keys each query sees; ``capture_layers``: aux ids to return."""
+        bad = [i for i in capture_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"capture_layers {list(bad)} outside [0, {self.num_layers - 1}]")
+        h = self.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = self.rope(positions, h.dtype)  # [B, T, D]
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        captured: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, attend)
+            if i in capture_layers:
+                captured[i] = h
+        return DecoderOutput(hidden=self.norm(h), aux=[captured[i] for i in capture_layers])
+
+    @torch.no_grad()
+    def capture(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                document_ids: Tensor | None = None) -> TargetOutput:
+        """Training capture: the aux states at ``aux_layer_ids`` and the post-norm last hidden state.
+
+        input_ids [B, T]. Unpacked rows: right padding, which causality hides (``attention_mask``
+        is accepted for the batch's sake and not needed). Packed rows: ``document_ids`` [B, T] (-1 on
+        padding) make every document attend only to itself, with ``position_ids`` restarting per
+        document (derived from ``document_ids`` when None). See `torchspec.targets.capture`.
+        """
+        if not self._aux_layer_ids:
+            raise ValueError("this TargetDecoder was built without aux_layer_ids (a serving decoder); "
+                             "load it with aux_layer_ids=None (the defaults) or 3 explicit ids to capture.")
+        positions, attend = dense_attend(input_ids, position_ids, document_ids)
+        out = self(input_ids, positions, attend, capture_layers=self._aux_layer_ids)
+        return TargetOutput(aux_hidden_states=out.aux, last_hidden_state=out.hidden)
+
+    @torch.no_grad()
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Serving: [..., H] -> fp32 [..., V], the lm_head in the model dtype, then upcast."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def target_logits(self, last_hidden: Tensor) -> Tensor:
+        """Training's teacher: fp32 logits of the lm_head on the post-norm last hidden, [..., H] -> [..., V]."""
+        logits = last_hidden.float() @ self.lm_head_weight.float().T
+        if self.lm_head_bias is not None:
+            logits = logits + self.lm_head_bias.float()
+        return logits
+
+    def make_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None,
+                      device: torch.device | str | None = None):
+        """An empty serving ``PagedKVCache`` for this rank's KV heads (default: model dtype and device)."""
+        # Imported here: torchspec.runtime's __init__ imports the engine, which imports this module.
+        from torchspec.runtime.paged_kv import PagedKVCache
+
+        a, w = self.args, self.embed_tokens.weight
+        dtype, device = dtype or w.dtype, device or w.device
+        return PagedKVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype, device)
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return list(self._aux_layer_ids)
+
+    @aux_layer_ids.setter
+    def aux_layer_ids(self, ids: Sequence[int]) -> None:
+        validate_aux_layer_ids(list(ids), self.num_layers)
+        self._aux_layer_ids = [int(i) for i in ids]
+
+    @property
+    def num_layers(self) -> int:
+        return self.args.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.args.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.args.head_dim
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        return self.args.num_kv_heads
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """config.json's eos_token_id (int or list) plus generation_config.json's, in that order."""
+        return self._eos_token_ids
+
+    @property
+    def embed_tokens_weight(self) -> Tensor:
+        return self.embed_tokens.weight  # [V, H]
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
+
+    @property
+    def lm_head_bias(self) -> Tensor | None:
+        return None if self.lm_head is None else self.lm_head.bias
+
+
+def _eos_ids(*values) -> tuple[int, ...]:
+    """Distinct ids, in order, from values that are each None, an int or a list of ints."""
+    ids = [i for v in values if v is not None for i in (v if isinstance(v, list | tuple) else [v])]
+    return tuple(dict.fromkeys(int(i) for i in ids))
