@@ -95,16 +95,11 @@ CASES = [
     ("resume_with_other_drafter", ["train.output_dir={run}", "drafter.sliding_window=8"], "{run}/config.yaml", None),
     ("run_with_garbage_config", ["train.output_dir={made}"], "{made}/config.yaml", run_with_garbage_config),
 ]
-XFAIL = {  # torchspec/targets/loader.py (another engineer's) must name the directory whose tokenizer fails
-    "target_without_tokenizer": "load_tokenizer (torchspec/targets/loader.py) does not name the directory",
-}
 CASES.append(("target_corrupt_config", ["target.path={made}"], "{made}/config.json", corrupt_target))
 
 
 @pytest.mark.parametrize("name, overrides, culprit, setup", CASES, ids=[c[0] for c in CASES])
 def test_train_refuses_in_one_line(name, overrides, culprit, setup, world, tmp_path, capfd, request):
-    if name in XFAIL:
-        request.applymarker(pytest.mark.xfail(reason=XFAIL[name], strict=False))
     made = setup(tmp_path, world) if setup else None
     values = {"tmp": tmp_path, "run": world.run, "made": made}
     new_run = tmp_path / "new_run"

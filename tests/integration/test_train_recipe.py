@@ -105,26 +105,7 @@ def test_end_of_run_serving_export_done_marker_and_rerun(tmp_path, tiny_llama_di
     assert json.loads((out / "DONE").read_text())["step"] == 5
 
 
-@pytest.mark.parametrize("override, message", [
-    ("target.path=/no/such/model", "/no/such/model"),
-    ("target.aux_layer_ids=[1,3,9]", "outside [0, 7]"),
-    ("drafter.lm_head_rank=128", "lm_head_rank=128 must lie in [1, hidden_size=64]"),
-    ("train.ttt_steps=0", "train.ttt_steps=0 must be >= 1"),
-])
-def test_bad_input_gives_a_clear_error(tmp_path, tiny_llama_dir, tiny_chat_jsonl, override, message):
-    result = run_recipe(tmp_path / "bad", tiny_llama_dir, tiny_chat_jsonl, override)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "torchspec-train: error:" in result.stderr and message in result.stderr
-    assert "Traceback" not in result.stderr
-    assert not (tmp_path / "bad" / "checkpoints").exists()
-
-
-def test_unusable_data_file_is_refused(tmp_path, tiny_llama_dir):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
-    result = run_recipe(tmp_path / "bad", tiny_llama_dir, str(bad))
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "torchspec-train: error:" in result.stderr and str(bad) in result.stderr
+# Bad input (target, aux ids, config values, data files): the table in test_bad_input_train.py.
 
 
 @pytest.mark.parametrize("preset, extra", [

@@ -54,7 +54,7 @@ def reference_loss(model, ids, mask, aux, target_logits, steps, decay=0.8):
     p_all = model.target_probs_for_loss(target_logits)  # [B, T, Vd]
     loss, correct = 0.0, []
     for k in range(steps):
-        normed, hidden = model.step(shift_left(ids, k + 1), hidden, positions + k, cache)
+        normed, hidden = model.step(shift_left(ids, k + 1), hidden, positions + k, model.ttt_attend(kv=cache))
         n = t - k - 2
         valid = mask[:, k + 2 :].bool()
         logq = torch.log_softmax(model.compute_logits(normed[:, :n]).float(), -1)
@@ -228,7 +228,7 @@ def test_draft_argmax_maps_to_target_ids():
     target_ids = torch.arange(VD) + d2t
     _, _, aux, _ = batch(b=1, t=5)
     ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(3))
-    normed, _ = model.step(ids, model.fuse_target_states(aux), torch.arange(5)[None], [])
+    normed, _ = model.step(ids, model.fuse_target_states(aux), torch.arange(5)[None], model.ttt_attend())
     y = normed[0].detach()  # [5, H], full row rank
     draft_pick = torch.tensor([3, 0, VD - 1, 10, 7])
     with torch.no_grad():
@@ -290,7 +290,7 @@ def test_attention_reads_2h_concat_of_separately_normed_embedding_and_hidden():
     hook = attn.q_proj.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].detach()))
     g = torch.Generator().manual_seed(4)
     ids, hidden = torch.randint(0, V, (2, 6), generator=g), torch.randn(2, 6, H, generator=g) * 3
-    model.step(ids, hidden, torch.arange(6).expand(2, 6), [])
+    model.step(ids, hidden, torch.arange(6).expand(2, 6), model.ttt_attend())
     hook.remove()
     assert seen[0].shape == (2, 6, 2 * H)
     torch.testing.assert_close(seen[0][..., :H], layer.input_layernorm(model.embed_tokens(ids)))
@@ -303,7 +303,7 @@ def test_residual_is_the_incoming_hidden():
         model.layer.self_attn.o_proj.weight.zero_()
         model.layer.mlp.down_proj.weight.zero_()
     hidden = torch.randn(1, 4, H)
-    normed, feedback = model.step(torch.randint(0, V, (1, 4)), hidden, torch.arange(4)[None], [])
+    normed, feedback = model.step(torch.randint(0, V, (1, 4)), hidden, torch.arange(4)[None], model.ttt_attend())
     torch.testing.assert_close(feedback, hidden)
     torch.testing.assert_close(normed, model.norm(hidden))
 
@@ -312,7 +312,7 @@ def test_residual_is_the_incoming_hidden():
 def test_feedback_is_post_norm_only_with_norm_output(norm_output):
     model = tiny(norm_output=norm_output)
     ids, hidden = torch.randint(0, V, (1, 4)), torch.randn(1, 4, H) * 3
-    normed, feedback = model.step(ids, hidden, torch.arange(4)[None], [])
+    normed, feedback = model.step(ids, hidden, torch.arange(4)[None], model.ttt_attend())
     assert torch.equal(feedback, normed) == norm_output
     if not norm_output:  # the pre-norm residual stream, which the final norm maps to `normed`
         torch.testing.assert_close(model.norm(feedback), normed)
@@ -335,7 +335,7 @@ def test_lm_head_scores_the_draft_vocabulary_with_fused_loss():
     model = tiny()
     assert tuple(model.lm_head.weight.shape) == (VD, H)
     ids, mask, aux, logits = batch()
-    normed, _ = model.step(ids, model.fuse_target_states(aux), torch.arange(8).expand(2, 8), [])
+    normed, _ = model.step(ids, model.fuse_target_states(aux), torch.arange(8).expand(2, 8), model.ttt_attend())
     probs = model.target_probs_for_loss(logits)
     teacher = drafter_teacher(TeacherHead.from_logits(logits), model)
     w = mask.float().reshape(-1, 1)

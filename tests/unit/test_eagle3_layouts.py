@@ -86,9 +86,9 @@ def test_files_round_trip_with_auto_detect_and_same_forward(tmp_path):
     g = torch.Generator().manual_seed(1)
     ids, aux = torch.randint(0, V, (2, 6), generator=g), [torch.randn(2, 6, H, generator=g) for _ in range(3)]
     pos = torch.arange(6).expand(2, 6)
-    ref = model.step(ids, model.fuse_target_states(aux), pos, [])[0]
+    ref = model.step(ids, model.fuse_target_states(aux), pos, model.ttt_attend())[0]
     for loaded in (from_sg, from_vl):
-        out = loaded.step(ids, loaded.fuse_target_states(aux), pos, [])[0]
+        out = loaded.step(ids, loaded.fuse_target_states(aux), pos, loaded.ttt_attend())[0]
         assert torch.equal(loaded.draft_to_target_ids(loaded.compute_logits(out).argmax(-1)),
                            model.draft_to_target_ids(model.compute_logits(ref).argmax(-1)))
         assert torch.equal(out, ref)
@@ -279,8 +279,8 @@ def test_prune_preserves_draft_argmax_target_on_kept_tokens(tmp_path):
     g = torch.Generator().manual_seed(2)
     ids, aux = torch.randint(0, V, (4, 16), generator=g), [torch.randn(4, 16, H, generator=g) for _ in range(3)]
     pos = torch.arange(16).expand(4, 16)
-    normed = model.step(ids, model.fuse_target_states(aux), pos, [])[0]
-    assert torch.equal(normed, pruned.step(ids, pruned.fuse_target_states(aux), pos, [])[0])
+    normed = model.step(ids, model.fuse_target_states(aux), pos, model.ttt_attend())[0]
+    assert torch.equal(normed, pruned.step(ids, pruned.fuse_target_states(aux), pos, pruned.ttt_attend())[0])
     old_logits, new_logits = model.compute_logits(normed), pruned.compute_logits(normed)
     rows = (torch.cumsum(model.t2d.long(), 0) - 1)[pruned.draft_target_ids()]
     assert torch.equal(new_logits, old_logits[..., rows])  # same scores, selected by target id

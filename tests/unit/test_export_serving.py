@@ -68,7 +68,7 @@ def unroll(drafter, vocab: int, steps: int = 3):
     logits = torch.randn(2, 10, vocab, generator=g) * 3
     with torch.no_grad():
         result = ttt_unroll(drafter, ids, mask, aux, TeacherHead.from_logits(logits), steps, 0.8, valid_counts(mask, steps))
-        normed, _ = drafter.step(ids, drafter.fuse_target_states(aux), torch.arange(10).expand(2, 10), [])
+        normed, _ = drafter.step(ids, drafter.fuse_target_states(aux), torch.arange(10).expand(2, 10), drafter.ttt_attend())
         return result, drafter.compute_logits(normed)
 
 

@@ -213,7 +213,7 @@ def test_drafter_steps_on_packed_row_equal_documents_alone(arch, backend):
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for k in range(steps):
-                normed, hidden = drafter.step(ids_k[k], hidden, positions + k, cache, document_ids=documents)
+                normed, hidden = drafter.step(ids_k[k], hidden, positions + k, drafter.ttt_attend(documents, kv=cache))
                 outs.append(normed)
         return outs
 

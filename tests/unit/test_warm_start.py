@@ -109,7 +109,7 @@ def test_moe_upcycling_equals_dense():
     # whole drafter: same step outputs as the dense conversion
     g = torch.randn(2, 7, H)
     pos = torch.arange(7).expand(2, 7)
-    torch.testing.assert_close(moe.step(ids[:, :7], g, pos, [])[0], dense.step(ids[:, :7], g, pos, [])[0],
+    torch.testing.assert_close(moe.step(ids[:, :7], g, pos, moe.ttt_attend())[0], dense.step(ids[:, :7], g, pos, dense.ttt_attend())[0],
                                rtol=1e-4, atol=1e-5)
     assert "layer.mlp.router.weight" in [e.key for e in report.initialised]
 

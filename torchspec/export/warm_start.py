@@ -148,7 +148,7 @@ def collect_eagle3_samples(e3: Eagle3Drafter, input_ids: Tensor, aux: list[Tenso
             ids = shift_left(input_ids, k + 1)
             valid = shift_left(real, k + 1, fill=False) & real
             g = hidden
-            _, hidden = e3.step(ids, hidden, positions + k, cache)
+            _, hidden = e3.step(ids, hidden, positions + k, e3.ttt_attend(kv=cache))
             steps.append({"ids": ids, "g": g, "a": seen["a"], "x": seen["x"], "mlp": seen["mlp"], "valid": valid})
     finally:
         for h in hooks:

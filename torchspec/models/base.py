@@ -54,20 +54,17 @@ class Drafter(PreTrainedModel, metaclass=ABCMeta):
         """A fresh attend for one K-step training unroll (call ``step`` with it K times)."""
         return TTTAttend(self.ttt_backend, self.window, document_ids, kv)
 
-    def _attend(self, attend: Attend | list, document_ids: torch.Tensor | None) -> Attend:
-        # A list is shorthand for ``ttt_attend(document_ids, kv=that_list)``: tests and the warm
-        # start unroll a few steps that way (the list keeps the earlier steps' keys).
-        if isinstance(attend, list):
-            return self.ttt_attend(document_ids, kv=attend)
-        assert document_ids is None, "document_ids belong to the attend: pass ttt_attend(document_ids)"
-        return attend
+    def fuse_target_states(self, aux_hidden_states: list[torch.Tensor]) -> torch.Tensor:
+        """3 x [B, T, H] captured target states -> step-0 hidden [B, T, H]: fc-norm (each state
+        RMS-normalised on its own, if ``fc_norms``), concat, ``fc`` 3H -> H, then ``fc_post_norm``
+        (an RMSNorm for EAGLE-4 with ``fc_post_norm``, else the identity)."""
+        if self.fc_norms is not None:
+            aux_hidden_states = [norm(h) for norm, h in zip(self.fc_norms, aux_hidden_states)]
+        return self.fc_post_norm(self.fc(torch.cat(aux_hidden_states, dim=-1)))
 
     @property
     @abstractmethod
     def window(self) -> int | None: ...
-
-    @abstractmethod
-    def fuse_target_states(self, aux_hidden_states: list[torch.Tensor]) -> torch.Tensor: ...
 
     @abstractmethod
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend: Attend,

@@ -133,6 +133,7 @@ class Eagle3Drafter(Drafter):
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
         self.fc_norms = nn.ModuleList(RMSNorm(h, eps) for _ in range(3)) if config.fc_norm else None
         self.fc = nn.Linear(3 * h, h, bias=False)
+        self.fc_post_norm = nn.Identity()  # EAGLE-3 has none (the shared fuse_target_states applies it)
         self.layer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(h, eps)
         self.lm_head = nn.Linear(h, vd, bias=False)
@@ -248,33 +249,24 @@ class Eagle3Drafter(Drafter):
         """EAGLE-3 attends the full causal context."""
         return None
 
-    def fuse_target_states(self, aux_hidden_states: list[torch.Tensor]) -> torch.Tensor:
-        """3 x [B, T, H] captured target states -> step-0 hidden [B, T, H]."""
-        if self.fc_norms is not None:
-            aux_hidden_states = [norm(h) for norm, h in zip(self.fc_norms, aux_hidden_states)]
-        return self.fc(torch.cat(aux_hidden_states, dim=-1))
-
     def step(
         self,
         input_ids: torch.Tensor,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        attend: Attend | list,
+        attend: Attend,
         token_mask: torch.Tensor | None = None,
         moe_stats: list | None = None,
-        *,
-        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step over all positions, in training and in serving.
 
         input_ids [B, T] (token whose successor is predicted), hidden [B, T, H], positions [B, T];
         ``attend``: ``self.ttt_attend(...)`` in training, ``PagedAttend`` in serving (see
-        ``Eagle4Drafter.step``; a list is shorthand for ``self.ttt_attend(document_ids, kv=list)``).
+        ``Eagle4Drafter.step``).
         ``token_mask`` and ``moe_stats`` belong to the shared interface (MoE load statistics);
         EAGLE-3 has a dense MLP and ignores them.
         Returns (normed [B, T, H] -> feed ``lm_head``; feedback [B, T, H] -> next step's hidden).
         """
-        attend = self._attend(attend, document_ids)
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary.cos_sin(positions)
         x = self.layer(emb, hidden, cos, sin, attend)

@@ -145,22 +145,14 @@ class Eagle4Drafter(Drafter):
     def window(self) -> int | None:
         return self.config.sliding_window
 
-    def fuse_target_states(self, aux_hidden_states: list[torch.Tensor]) -> torch.Tensor:
-        """3 x [B, T, H] captured target states -> step-0 hidden [B, T, H]."""
-        if self.fc_norms is not None:
-            aux_hidden_states = [norm(h) for norm, h in zip(self.fc_norms, aux_hidden_states)]
-        return self.fc_post_norm(self.fc(torch.cat(aux_hidden_states, dim=-1)))
-
     def step(
         self,
         input_ids: torch.Tensor,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        attend: Attend | list,
+        attend: Attend,
         token_mask: torch.Tensor | None = None,
         moe_stats: list | None = None,
-        *,
-        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step over all positions, in training and in serving.
 
@@ -168,11 +160,9 @@ class Eagle4Drafter(Drafter):
         (RoPE; unused with NoPE); ``attend`` (``torchspec/attend.py``): ``self.ttt_attend(...)`` in
         the training unroll, ``PagedAttend`` in serving; it owns the keys and the sliding window.
         token_mask [B, T] marks real tokens (MoE load statistics count only those); the MoE layer
-        appends its ``MoEStats`` to ``moe_stats``. A list as ``attend`` (with ``document_ids``) is
-        shorthand for ``self.ttt_attend(document_ids, kv=that_list)``.
+        appends its ``MoEStats`` to ``moe_stats``.
         Returns (normed [B, T, H] -> feed the head; feedback [B, T, H] -> next step's hidden).
         """
-        attend = self._attend(attend, document_ids)
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         x = self.eh_proj(torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], dim=-1))
         cos, sin = (None, None) if self.config.nope else self.rotary.cos_sin(positions)

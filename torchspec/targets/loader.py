@@ -134,8 +134,14 @@ def load_target_config(path: str) -> PretrainedConfig:
 
 
 def load_tokenizer(path: str):
-    """The tokenizer saved with the checkpoint."""
-    return AutoTokenizer.from_pretrained(path)
+    """The tokenizer saved with the checkpoint; a directory without a usable one is named (ValueError)."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as err:  # transformers' errors for a missing/broken tokenizer
+        problem = " ".join(str(err).split())[:200]
+        raise ValueError(f"target {path}: no usable tokenizer there ({problem}); the checkpoint directory needs "
+                         f"its tokenizer files (tokenizer.json / tokenizer_config.json) as save_pretrained writes "
+                         f"them.") from err
 
 
 def _builtin_gguf_path(alias: str) -> str:
