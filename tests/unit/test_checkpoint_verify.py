@@ -20,6 +20,7 @@ from torchspec.train.checkpoint import (
     find_resume_checkpoint,
     finish_checkpoint,
     load_checkpoint,
+    publish_if_written,
     save_checkpoint,
     verify_checkpoint,
     write_manifest,
@@ -228,3 +229,21 @@ def test_the_next_save_publishes_the_pending_async_one(tmp_path):
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000002"]
     assert verify_checkpoint(root / "step_000001") is None and (root / "latest").read_text() == "step_000002\n"
+
+
+def test_publish_if_written_waits_for_nothing_and_publishes_a_finished_write(tmp_path, gated_writes):
+    """The recipe calls it on log steps: a pending write is left alone, a finished one is published."""
+    root = tmp_path / "checkpoints"
+    engine = make()
+    train(engine, range(1))
+    assert publish_if_written() is None  # nothing in flight
+    gated_writes.clear()
+    final = save_checkpoint(tmp_path, 1, engine, SAMPLER, {}, keep=3, async_save=True)
+    assert publish_if_written() is None and not final.exists()  # the write is blocked: no waiting
+    gated_writes.set()
+    for _ in range(600):  # the background write finishes on its own
+        if (published := publish_if_written()) is not None:
+            break
+        threading.Event().wait(0.05)
+    assert published == final and (root / "latest").read_text() == "step_000001\n"
+    assert verify_checkpoint(final) is None and finish_checkpoint() is None
