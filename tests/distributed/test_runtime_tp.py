@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from torchspec.distributed import init_distributed
-from torchspec.runtime.paged_kv import PagedAttend, build_attention_meta
+from torchspec.runtime.paged_kv import PagedAttend, PagedKVCache, build_attention_meta
 from torchspec.targets import TargetDecoder, build_tiny_target
 
 from .launcher import launch
@@ -55,7 +55,7 @@ def prefill_and_decode(dec: TargetDecoder) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (2, 8), generator=g)
     bt = torch.tensor([[5, 2, 7], [1, 6, 3]])
-    cache = dec.make_kv_cache(8, PAGE)
+    cache = PagedKVCache.for_target(dec, 8, PAGE)
     causal = torch.ones(7, 7, dtype=torch.bool).tril().expand(2, 7, 7)
     zero = torch.zeros(2, dtype=torch.long)
     meta = build_attention_meta(bt, zero, causal, PAGE)
@@ -83,7 +83,7 @@ def _tp_worker(target_dirs: dict[str, str]):
                 "decode": decode,
                 "q_proj": attn.q_proj.weight.clone(),
                 "o_proj": attn.o_proj.weight.clone(),
-                "kv_heads": dec.make_kv_cache(2, PAGE).num_kv_heads,
+                "kv_heads": PagedKVCache.for_target(dec, 2, PAGE).num_kv_heads,
             }
     return results
 

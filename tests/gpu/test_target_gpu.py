@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchspec.runtime.paged_kv import PageAllocator, PagedAttend, build_attention_meta
+from torchspec.runtime.paged_kv import PageAllocator, PagedAttend, PagedKVCache, build_attention_meta
 from torchspec.targets import TargetDecoder, build_tiny_target
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +34,7 @@ def target_dir(request, tmp_path_factory):
 def paged_forward(dec: TargetDecoder, ids: torch.Tensor):
     b, t = ids.shape
     pages_per_row = -(-t // PAGE)
-    cache = dec.make_kv_cache(b * pages_per_row + 1, PAGE)
+    cache = PagedKVCache.for_target(dec, b * pages_per_row + 1, PAGE)
     block_table = torch.tensor(PageAllocator(b * pages_per_row + 1).alloc(b * pages_per_row)).view(b, -1).cuda()
     causal = torch.ones(t, t, dtype=torch.bool, device="cuda").tril().expand(b, t, t)
     meta = build_attention_meta(block_table, torch.zeros(b, dtype=torch.long, device="cuda"), causal, PAGE)

@@ -27,7 +27,7 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from torchspec.runtime.paged_kv import PageAllocator, PagedAttend, build_attention_meta
+from torchspec.runtime.paged_kv import PageAllocator, PagedAttend, PagedKVCache, build_attention_meta
 from torchspec.runtime.tree import tree_attention_mask
 from torchspec.targets import TINY_FLAVOURS, TargetDecoder, build_tiny_target, family_of
 from torchspec.targets.rope import RopeTables
@@ -141,7 +141,7 @@ def test_prefill_matches_transformers(case):
     lengths = [13, 8]  # row 1 is right-padded; row 2 is an invalid row writing to the trash page
     bt = _block_tables(3)
     bt[2] = 0
-    cache = dec.make_kv_cache(32, PAGE)
+    cache = PagedKVCache.for_target(dec, 32, PAGE)
     got = _forward(
         dec, cache, bt, ids, torch.zeros(3, dtype=torch.long), row_valid=torch.tensor([True, True, False])
     )
@@ -156,7 +156,7 @@ def test_incremental_decode_matches_full_forward(case):
     name, _, hf, dec = case
     ids = _ids(2, 12, seed=1)
     prompt = torch.tensor([5, 3])  # row 1's prefill is padded from 3 to 5 tokens
-    bt, cache = _block_tables(2), dec.make_kv_cache(32, PAGE)
+    bt, cache = _block_tables(2), PagedKVCache.for_target(dec, 32, PAGE)
     _forward(dec, cache, bt, ids[:, :5], torch.zeros(2, dtype=torch.long))
     full = [_hf_logits(hf, ids[0]), _hf_logits(hf, ids[1])]
     for step in range(7):
@@ -174,7 +174,7 @@ def test_tree_forward_matches_each_path(case):
     depths = torch.tensor([0, 1, 1, 2, 2, 3])
     ctx = torch.tensor([6, 4])
     prefix, nodes = _ids(2, 6, seed=2), _ids(2, 6, seed=3)
-    bt, cache = _block_tables(2), dec.make_kv_cache(32, PAGE)
+    bt, cache = _block_tables(2), PagedKVCache.for_target(dec, 32, PAGE)
     _forward(dec, cache, bt, prefix, torch.zeros(2, dtype=torch.long))
     got = _forward(
         dec, cache, bt, nodes, ctx, tree_mask=tree_attention_mask(parents), positions=ctx[:, None] + depths
@@ -202,7 +202,7 @@ def test_paged_forward_equals_capture_forward(family_dir):
     dec = TargetDecoder.from_pretrained(family_dir, aux_layer_ids=list(aux_ids))
     ids = _ids(2, 9, seed=4)
     want = dec.capture(ids)
-    cache = dec.make_kv_cache(32, PAGE)
+    cache = PagedKVCache.for_target(dec, 32, PAGE)
     meta = build_attention_meta(
         _block_tables(2),
         torch.zeros(2, dtype=torch.long),
@@ -235,7 +235,7 @@ def test_properties_and_cache(tiny_target_dir, tiny_tokenizer):
     assert dec.eos_token_ids == (tiny_tokenizer.eos_token_id,)
     assert dec.lm_head_weight is dec.embed_tokens_weight  # tied
     assert dec.config.model_type in ("llama", "qwen3")
-    cache = dec.make_kv_cache(6, PAGE, dtype=torch.bfloat16)
+    cache = PagedKVCache.for_target(dec, 6, PAGE, dtype=torch.bfloat16)
     assert cache.k.shape == (8, 6 * PAGE, 4, 16) and cache.k.dtype == torch.bfloat16
     assert not any(p.requires_grad for p in dec.parameters())
 

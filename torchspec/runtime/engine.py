@@ -23,7 +23,7 @@ import torch
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
 from torchspec.runtime.graphs import StepGraphs
-from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator
+from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator, PagedKVCache
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.steps import Caches, plain_step, prefill, speculate
 from torchspec.targets import TargetDecoder
@@ -73,7 +73,7 @@ class SpeculativeEngine:
         dev = decoder.embed_tokens_weight.device
         self.device = dev
         drafter_cache = runner.make_kv_cache(num_pages, page_size) if runner is not None else None
-        self.caches = Caches(decoder.make_kv_cache(num_pages, page_size), drafter_cache, page_size)
+        self.caches = Caches(PagedKVCache.for_target(decoder, num_pages, page_size), drafter_cache, page_size)
         self.block_table = torch.full((max_batch, self.pages_per_row), TRASH_PAGE, dtype=torch.long, device=dev)
         self.root = torch.zeros(max_batch, dtype=torch.long, device=dev)
         if runner is not None:

@@ -79,6 +79,14 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    @classmethod
+    def for_target(cls, decoder, num_pages: int, page_size: int, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None) -> PagedKVCache:
+        """An empty cache for a ``TargetDecoder``'s layers and this rank's KV heads (default: the
+        decoder's dtype and device)."""
+        a, w = decoder.args, decoder.embed_tokens.weight
+        return cls(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype or w.dtype, device or w.device)
+
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy K/V of every layer from flat slots ``src`` to ``dst`` (same shape; gather first, so
         overlapping src/dst sets are safe). Used for accepted-path compaction."""

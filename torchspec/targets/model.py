@@ -189,16 +189,6 @@ class TargetDecoder(nn.Module):
             logits = logits + self.lm_head_bias.float()
         return logits
 
-    def make_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None,
-                      device: torch.device | str | None = None):
-        """An empty serving ``PagedKVCache`` for this rank's KV heads (default: model dtype and device)."""
-        # Imported here: torchspec.runtime's __init__ imports the engine, which imports this module.
-        from torchspec.runtime.paged_kv import PagedKVCache
-
-        a, w = self.args, self.embed_tokens.weight
-        dtype, device = dtype or w.dtype, device or w.device
-        return PagedKVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype, device)
-
     @property
     def aux_layer_ids(self) -> list[int]:
         return list(self._aux_layer_ids)
