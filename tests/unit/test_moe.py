@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchspec.models.layers import RMSNorm, SwiGLU
+from torchspec.models.layers import SwiGLU
 from torchspec.models.moe import MoEMLP, load_imbalance
+from torchspec.targets.layers import RMSNorm
 
 DISPATCHES = ["dense", "sorted"]
 

@@ -51,7 +51,8 @@ from torchspec.attend import Attend
 from torchspec.data.vocab import build_vocab_mapping, token_frequencies, vocab_coverage
 from torchspec.models.base import Drafter
 from torchspec.models.config_base import SHARED_ARCH_FIELDS, SHARED_REQUIRED, Flag, StrictDrafterConfig
-from torchspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from torchspec.models.layers import Attention, RotaryEmbedding, SwiGLU
+from torchspec.targets.layers import RMSNorm
 
 
 class Eagle3Config(StrictDrafterConfig):

@@ -26,9 +26,10 @@ from torch import nn
 from torchspec.attend import Attend
 from torchspec.models.base import Drafter
 from torchspec.models.config_base import SHARED_ARCH_FIELDS, SHARED_REQUIRED, Flag, StrictDrafterConfig
-from torchspec.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from torchspec.models.layers import Attention, RotaryEmbedding, SwiGLU
 from torchspec.models.lm_head import EfficientLMHead
 from torchspec.models.moe import MoEMLP
+from torchspec.targets.layers import RMSNorm
 
 
 class Eagle4Config(StrictDrafterConfig):

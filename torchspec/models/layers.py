@@ -1,5 +1,5 @@
-"""Building blocks shared by the drafters: RMSNorm, rotary embeddings, SwiGLU MLP and the
-grouped-query attention module.
+"""Building blocks shared by the drafters: rotary embeddings, SwiGLU MLP and the grouped-query
+attention module (RMSNorm and the RoPE rotation are the target's, ``torchspec/targets``).
 
 The attention module computes q/k/v (projections, RoPE or NoPE) and hands them to an ``attend``
 the CALLER chose (the contract of ``torchspec/attend.py``): the training unroll passes a
@@ -16,21 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchspec.attend import Attend
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 (as Llama/Qwen do), weight applied in the input dtype."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+from torchspec.targets.rope import rotate_half
 
 
 class RotaryEmbedding(nn.Module):
@@ -47,15 +33,10 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 class SwiGLU(nn.Module):

@@ -71,7 +71,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchspec.models.layers import RMSNorm, SwiGLU
+from torchspec.models.layers import SwiGLU
+from torchspec.targets.layers import RMSNorm
 
 DISPATCHES = ("dense", "sorted")
 

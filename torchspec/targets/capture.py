@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torchspec.attend import softmax_scale
+from torchspec.attend import in_window, softmax_scale
 from torchspec.data.packing import document_positions
 
 NUM_AUX_LAYERS = 3
@@ -99,8 +99,8 @@ class DenseAttend:
 
 def document_mask(document_ids: Tensor) -> Tensor:
     """[B, T] document ids -> [B, 1, T, T] block-diagonal causal mask (True = attend)."""
-    t = document_ids.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
+    i = torch.arange(document_ids.shape[1], device=document_ids.device)
+    causal = in_window(i[:, None], i[None, :], None)  # [T, T]
     same = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
     return (same & causal)[:, None]
 

@@ -72,10 +72,6 @@ def dp_world_size(mesh) -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def trainable(module: nn.Module) -> list[nn.Parameter]:
     params = [p for p in module.parameters() if p.requires_grad]
     assert params, "the drafter has no trainable parameters"
@@ -89,10 +85,6 @@ def rekey(model_sd: dict, optim_sd: dict | None, fn: Callable[[str], str]) -> tu
         optim_sd = {"state": {fn(k): v for k, v in optim_sd["state"].items()},
                     "param_groups": [{**g, "params": [fn(k) for k in g["params"]]} for g in optim_sd["param_groups"]]}
     return model_sd, optim_sd
-
-
-def _distributed() -> bool:
-    return dist.is_initialized()
 
 
 @contextlib.contextmanager
@@ -110,7 +102,7 @@ def _checkpoint_group():
     """A gloo group over the whole world for DCP's background writes: its collectives run in another
     thread, and must not interleave with the training thread's on the default group. Created on the
     first async save (collective, like the save itself); None without torch.distributed."""
-    if not _distributed():
+    if not dist.is_initialized():
         return None
     if not _CHECKPOINT_GROUP:
         _CHECKPOINT_GROUP.append(dist.new_group(backend="gloo"))
@@ -260,9 +252,9 @@ class TrainingEngine:
         state = self.resume_state()
         with _one_process_is_meant():
             if not async_save:
-                dcp.save(state, checkpoint_id=target, no_dist=not _distributed())
+                dcp.save(state, checkpoint_id=target, no_dist=not dist.is_initialized())
                 return None
-            return dcp.async_save(state, checkpoint_id=target, no_dist=not _distributed(),
+            return dcp.async_save(state, checkpoint_id=target, no_dist=not dist.is_initialized(),
                                   process_group=_checkpoint_group())
 
     def load(self, path: str | Path) -> None:
@@ -278,7 +270,7 @@ class TrainingEngine:
                 f"{sorted(expected - saved)[:8]}, unexpected {sorted(saved - expected)[:8]}. Resume with the "
                 f"drafter config it was written with, or start a new output_dir.")
         with _one_process_is_meant():
-            dcp.load(state, checkpoint_id=source, no_dist=not _distributed())
+            dcp.load(state, checkpoint_id=source, no_dist=not dist.is_initialized())
         model_sd, optim_sd = rekey(state["model"], state["optimizer"], lambda k: PREFIX + k)
         optim_sd = with_implementation(optim_sd, self.optimizer)  # written fused (GPU) or foreach
         if self.masters is not None:

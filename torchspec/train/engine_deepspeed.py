@@ -46,13 +46,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchspec.distributed import is_rank0
 from torchspec.io import atomic_write_text
 from torchspec.train.engine_base import (
     OptimConfig,
     TrainingEngine,
     TTTModel,
     dp_world_size,
-    is_rank0,
     trainable,
 )
 from torchspec.train.optim import build_adamw
