@@ -84,10 +84,8 @@ def build_model(cfg: Config, target: TargetDecoder, aux_ids: list[int], train_se
 
 def load_initial_weights(drafter, path: str, target: TargetDecoder) -> None:
     """train.init_from: copy every weight (and an EAGLE-3 vocab mapping) from a saved drafter whose
-    architecture equals the configured one; the target pairing is checked for exports."""
-    if not (Path(path) / "config.json").is_file():
-        raise ValueError(f"train.init_from={path!r}: no config.json there; pass a drafter directory "
-                         f"(save_pretrained, torchspec-export or torchspec-convert output).")
+    architecture equals the configured one (its config.json was checked before anything was written,
+    in ``train``); the target pairing is checked for exports."""
     if is_export(path):
         source = load_exported_drafter(path, target=target)  # strict keys and shapes, target fingerprint
         config, state = source.config, source.state_dict()
