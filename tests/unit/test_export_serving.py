@@ -314,3 +314,14 @@ def test_export_from_checkpoint_equals_the_runs_drafter(tmp_path, tiny_llama_dir
         main([str(run), str(tmp_path / "x")])
     assert exit_info.value.code == 2 and "zero_to_fp32" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("flavour", ["qwen3_next", "qwen3_5"])
+def test_target_embeddings_of_a_hybrid_target(tmp_path, flavour):
+    """Qwen3.5 checkpoints are multimodal: the decoder's weights sit under model.language_model."""
+    path = build_tiny_target(str(tmp_path / flavour), flavour)
+    loaded = TargetDecoder.from_pretrained(path)
+    read = read_target_embeddings(path, loaded.aux_layer_ids, torch.float32)
+    assert target_identity(read) == target_identity(loaded)
+    assert torch.equal(read.embed_tokens_weight, loaded.embed_tokens_weight)
+    assert torch.equal(read.lm_head_weight, loaded.lm_head_weight)

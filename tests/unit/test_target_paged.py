@@ -261,7 +261,7 @@ def test_rope_tables_equal_transformers(rope):
 
 def test_unsupported_configs_are_refused(tmp_path, tiny_llama_dir):
     with pytest.raises(
-        ValueError, match=r"model_type='gpt2' is not supported.*\['llama', 'mistral', 'qwen2', 'qwen3'\]"
+        ValueError, match=r"model_type='gpt2' is not supported.*\['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_5_text', 'qwen3_next'\]"
     ):
         decoder_args(GPT2Config())
     with pytest.raises(

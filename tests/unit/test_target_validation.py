@@ -206,5 +206,5 @@ def test_tp_size_check_names_the_sizes_and_the_working_ones():
     cfg = Qwen3Config(hidden_size=64, intermediate_size=100, num_attention_heads=8, num_key_value_heads=8)
     with pytest.raises(ValueError, match=r"intermediate_size=100 not divisible by 8.*Supported tp sizes: \[1, 2, 4\]"):
         validate_tp_for_target(cfg, 8)
-    with pytest.raises(ValueError, match=r"model_type='gpt2' is not supported.*\['llama', 'mistral', 'qwen2', 'qwen3'\]"):
+    with pytest.raises(ValueError, match=r"model_type='gpt2' is not supported.*\['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_5_text', 'qwen3_next'\]"):
         validate_tp_for_target(GPT2Config(), 1)

@@ -118,15 +118,16 @@ def read_target_embeddings(path: str, aux_layer_ids: list[int], dtype: torch.dty
     read. Key names and tying follow the target package (``checkpoint_key``, the family's
     ``tied_lm_head``), so the identity equals the loaded decoder's."""
     from torchspec.targets import family_of, load_target_config, validate_aux_layer_ids
-    from torchspec.targets.loader import checkpoint_key, safetensors_files
+    from torchspec.targets.loader import checkpoint_key, decoder_prefix, safetensors_files
 
     config = load_target_config(path).get_text_config()
     args = family_of(config).decoder_args(config)
     validate_aux_layer_ids(list(aux_layer_ids), args.num_layers)
     files = safetensors_files(path)
+    prefix = decoder_prefix(files)  # model. or, in a multimodal checkpoint (Qwen3.5), model.language_model.
     tensors = {}
     for name in ["embed_tokens.weight"] + ([] if args.tied_lm_head else ["lm_head.weight"]):
-        key = checkpoint_key(name)
+        key = checkpoint_key(name, prefix)
         if key not in files:
             raise ValueError(f"target checkpoint {path!r} has no {key} (tie_word_embeddings={args.tied_lm_head}); "
                              f"does config.json match the weights?")

@@ -3,8 +3,10 @@
     model.py    TargetDecoder: embedding -> family layers (pluggable attend) -> final norm; lm_head;
                 capture() for training, forward(..., PagedAttend) for serving; TP over a process group
     llama.py    the Llama-family layer (llama, mistral, qwen2, qwen3): FAMILIES table and TP_PLAN
-    layers.py   RMSNorm and the row-parallel linear every family shares
-    rope.py     RoPE tables (default, linear, dynamic, llama3, yarn), bit-equal to transformers
+    hybrid.py   the hybrid Gated-DeltaNet family (qwen3_next, qwen3_5): GDN / gated attention layers, MoE
+    gdn_ops.py  GDN's causal conv and gated delta rule (step, chunked torch reference, fla dispatch)
+    layers.py   RMSNorms and the row-parallel linear every family shares; TP styles
+    rope.py     RoPE tables (default, linear, dynamic, llama3, yarn; partial rotary), bit-equal to transformers
     capture.py  aux layer id contract, TargetOutput, the dense (training) attend
     loader.py   checkpoint resolution (dir, .gguf, alias), config/tokenizer, TP size check, sharded loading
     tiny.py     tiny random targets for tests
@@ -32,12 +34,13 @@ from torchspec.targets.model import (
     family_of,
     validate_tp_for_target,
 )
-from torchspec.targets.tiny import TINY_FLAVOURS, build_tiny_target
+from torchspec.targets.tiny import TINY_FLAVOURS, TINY_HYBRID_FLAVOURS, build_tiny_target
 
 __all__ = [
     "ARCHITECTURES",
     "BUILTIN_TARGETS",
     "TINY_FLAVOURS",
+    "TINY_HYBRID_FLAVOURS",
     "DecoderOutput",
     "DenseAttend",
     "TargetDecoder",

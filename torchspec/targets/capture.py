@@ -23,8 +23,20 @@ Dense attention for training (`DenseAttend`, built once per forward by `dense_at
   So every document is computed exactly as if it were alone. Padding forms a "document" of its
   own, so no query row is fully masked (no NaN).
 
-GQA goes to SDPA as is (``enable_gqa=True``): KV heads are never repeated in memory. Nothing here
-syncs with the host.
+GQA goes to SDPA as is (``enable_gqa=True``): KV heads are never repeated in memory.
+
+Gated DeltaNet layers of hybrid targets (`DenseAttend` is also their `torchspec.attend.RecurrentMix`):
+the conv history and the recurrent state start at zero at every row start and, in packed rows, at
+every document start (``starts``, where the document id changes), so each document is again
+computed alone. Right padding of unpacked rows sits after the real tokens, so it cannot reach them
+through the recurrence either. Kernels: `torchspec.targets.gdn_ops` (fla on CUDA, else the torch
+reference). Nothing here syncs with the host, except fla's varlen path for packed rows (its
+``cu_seqlens``).
+
+Which layer kinds the default aux ids ``[1, L//2 - 1, L - 4]`` pick on hybrid targets (full
+attention every 4th layer, ids 3, 7, 11, ...): Qwen3.5-27B (L = 64) -> [1, 31, 60] = GDN,
+attention, GDN; Qwen3-Next-80B (L = 48) -> [1, 23, 44] = GDN, attention, GDN. Either kind's output
+is the residual stream after the layer, so the contract does not care; the defaults stay EAGLE-3's.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from torch import Tensor
 
 from torchspec.attend import in_window, softmax_scale
 from torchspec.data.packing import document_positions
+from torchspec.targets.gdn_ops import causal_conv, delta_rule, uses_fla, varlen_plan
 
 NUM_AUX_LAYERS = 3
 
@@ -81,13 +94,23 @@ class TargetOutput:
 
 
 class DenseAttend:
-    """The `torchspec.attend.Attend` of training capture: attention over this forward's own tokens.
+    """The `torchspec.attend.Attend` (and `RecurrentMix`) of training capture: this forward's own tokens.
 
-    ``mask`` [B, 1, T, T] bool (True = attend) for packed rows, None for plain causal rows.
+    ``mask`` [B, 1, T, T] bool (True = attend) for packed rows, None for plain causal rows;
+    ``starts`` [B, T] bool, True at each document's first token (packed rows), None otherwise.
     """
 
-    def __init__(self, mask: Tensor | None = None):
-        self.mask = mask
+    def __init__(self, mask: Tensor | None = None, starts: Tensor | None = None):
+        self.mask, self.starts = mask, starts
+        self._plan = None  # fla's varlen description of packed rows: built by the first GDN layer, then reused
+
+    def conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:
+        return causal_conv(x, weight, starts=self.starts)  # zero history at row and document starts
+
+    def delta_rule(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        if self.starts is not None and self._plan is None and uses_fla(q.device):
+            self._plan = varlen_plan(self.starts)
+        return delta_rule(q, k, v, g, beta, starts=self.starts, plan=self._plan)[0]  # zero state at row and document starts
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if q.device.type == "cpu":  # CPU SDPA on strided operands takes a much slower path
@@ -113,4 +136,11 @@ def dense_attend(input_ids: Tensor, position_ids: Tensor | None = None,
         positions = position_ids if position_ids is not None else torch.arange(t, device=input_ids.device).expand(b, t)
         return positions, DenseAttend()
     positions = position_ids if position_ids is not None else document_positions(document_ids)
-    return positions, DenseAttend(document_mask(document_ids))
+    return positions, DenseAttend(document_mask(document_ids), document_starts(document_ids))
+
+
+def document_starts(document_ids: Tensor) -> Tensor:
+    """[B, T] document ids -> [B, T] bool, True where a document (or the padding after them) begins."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return starts

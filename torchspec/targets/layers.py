@@ -1,4 +1,4 @@
-"""Building blocks every target family shares: HF's RMSNorm and the row-parallel linear of TP.
+"""Building blocks every target family shares: HF's RMSNorms and the row-parallel linear of TP.
 
 Tensor parallelism is Megatron style and needs only one collective: a column-parallel linear
 (its output features split over the tp ranks) is a plain ``nn.Linear`` holding this rank's rows,
@@ -6,6 +6,12 @@ and its output stays local; a row-parallel linear (input features split) produce
 that `row_parallel` all-reduces over the tp group BEFORE adding the (replicated) bias, so the
 bias is added once. Which weights are which is each family's ``TP_PLAN`` (readable data), and the
 loader (`torchspec.targets.loader.load_weights`) reads exactly this rank's slice of each.
+
+Two styles exist for Gated DeltaNet layers (`torchspec.targets.hybrid`): ``colwise_segments``, a
+column-parallel weight whose output features are several concatenated segments (q | k | v of a
+GDN's conv and in-projection), each split over the ranks separately -- the module holding it lists
+this rank's segment sizes in its ``tp_segments`` attribute; and ``heads``, the GDN's per-head
+parameters (``A_log``, ``dt_bias``), split with the value heads.
 """
 
 from __future__ import annotations
@@ -15,11 +21,38 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from torchspec.targets.fused_ops import fused
+
 # TP style -> {parameter name: the dim each rank holds 1/tp of}; parameters not listed are replicated.
 TP_STYLES: dict[str, dict[str, int]] = {
     "colwise": {"weight": 0, "bias": 0},  # output features split: whole heads / an MLP slice per rank
     "rowwise": {"weight": 1},  # input features split: partial sums, all-reduced, then the whole bias
+    "colwise_segments": {"weight": 0},  # colwise per segment; sizes: the module's `tp_segments`
+    "heads": {"A_log": 0, "dt_bias": 0},  # a GDN's per-value-head parameters
 }
+SEGMENTED_STYLES = frozenset({"colwise_segments"})
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's exact op order: fp32 statistics, cast back, then scale (so fp32 results match bitwise)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def offset_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3-Next / Qwen3.5's op order: normalise and scale by ``1 + weight`` in fp32, cast back last."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU's elementwise part."""
+    return F.silu(gate) * up
+
+
+rms_norm_fused, offset_rms_norm_fused, silu_mul_fused = fused(rms_norm), fused(offset_rms_norm), fused(silu_mul)
 
 
 class RMSNorm(nn.Module):
@@ -27,12 +60,26 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # serving on CUDA: one kernel (`torchspec.targets.fused_ops`)
 
     def forward(self, x: Tensor) -> Tensor:
-        # HF's exact op order: fp32 statistics, cast back, then scale (so fp32 results match bitwise).
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return (rms_norm_fused if self.fused else rms_norm)(x, self.weight, self.eps)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Qwen3-Next / Qwen3.5's RMSNorm: weights stored centred on 0, the scale is ``1 + weight``.
+
+    HF's op order (so fp32 matches bitwise): normalise and scale in fp32, cast back last.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+        self.fused = False  # serving on CUDA: one kernel (`torchspec.targets.fused_ops`)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (offset_rms_norm_fused if self.fused else offset_rms_norm)(x, self.weight, self.eps)
 
 
 def row_parallel(linear: nn.Linear, x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
@@ -41,3 +88,45 @@ def row_parallel(linear: nn.Linear, x: Tensor, group: dist.ProcessGroup | None) 
     if group is not None:
         dist.all_reduce(y, group=group)
     return y if linear.bias is None else y + linear.bias
+
+
+class MLP(nn.Module):
+    """SwiGLU, ``down(silu(gate(x)) * up(x))``; gate/up column-parallel, down row-parallel
+    (``group=None`` inside a MoE block leaves the partial sums to the block's one all-reduce)."""
+
+    def __init__(self, hidden: int, intermediate: int, group: dist.ProcessGroup | None, bias: bool = False):
+        super().__init__()
+        self.group = group
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None  # set by `fuse` (serving)
+        self.fused = False  # serving on CUDA: SwiGLU's elementwise part as one kernel
+
+    def fuse(self) -> None:
+        """One gate|up GEMM instead of two (serving)."""
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return row_parallel(self.down_proj, (silu_mul_fused if self.fused else silu_mul)(gate, up), self.group)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of ``linears``' outputs (same input, same dtype).
+
+    Serving calls it once after loading (`TargetDecoder.fuse_for_serving`): one GEMM per group reads
+    the same bytes as the separate ones but launches once and fills the GPU better at small batch.
+    Training capture keeps the separate projections (bit-identical to the transformers oracle). The
+    pieces are column-parallel shards of the same rank, so the fused weight is this rank's too."""
+    weight = torch.cat([lin.weight for lin in linears])
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
+    return fused

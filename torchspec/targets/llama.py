@@ -13,7 +13,9 @@ capture (`torchspec.targets.capture.DenseAttend`), paged attention over the KV c
 What differs between the supported model types is one row of ``FAMILIES``; everything that does
 not fit (sliding-window layers, another activation, partial RoPE) is refused by `decoder_args`
 before any weight loads. Module names mirror the HF checkpoint keys (``layers.3.mlp.up_proj.weight``
-is ``model.layers.3.mlp.up_proj.weight``), so loading needs no name adapter.
+is ``model.layers.3.mlp.up_proj.weight``), so loading needs no name adapter. Serving then fuses
+q|k|v and gate|up into one GEMM each (``DecoderLayer.fuse``, after loading:
+`torchspec.targets.layers.fuse_linears`).
 
 Tensor parallelism (``TP_PLAN``, Megatron style, the same plan transformers ships as
 ``base_model_tp_plan``): q/k/v and gate/up are column-parallel (each rank holds heads/tp query
@@ -28,13 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchspec.attend import Attend
-from torchspec.targets.layers import RMSNorm, row_parallel
+from torchspec.targets.layers import MLP, RMSNorm, fuse_linears, row_parallel
 from torchspec.targets.loader import check_tp_size
-from torchspec.targets.rope import apply_rope
+from torchspec.targets.rope import apply_rope, apply_rope_fused, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(qk_norm=False, qkv_bias=True, o_bias=False, mlp_bias=False),
     "qwen3": Family(qk_norm=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False),
 }
+
+Norm = RMSNorm  # the final norm's class (`TargetDecoder.norm`)
 
 # Module inside a decoder layer -> TP style (`torchspec.targets.layers.TP_STYLES`). Others: replicated.
 TP_PLAN: dict[str, str] = {
@@ -83,6 +86,11 @@ class LlamaArgs:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    recurrent: None = None  # no Gated DeltaNet layers (`torchspec.targets.hybrid.RecurrentShape` there)
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return ("attention",) * self.num_layers
 
 
 def _flag(config, value: bool | str) -> bool:
@@ -113,6 +121,8 @@ def decoder_args(config, tp_size: int = 1) -> LlamaArgs:
         _refuse("layer_types", layer_types, "all 'full_attention' (no sliding window)")
     if config.model_type == "mistral" and config.sliding_window is not None:
         _refuse("sliding_window", config.sliding_window, "null (no sliding-window attention)")
+    if rope_parameters(config)["partial_rotary_factor"] != 1:
+        _refuse("partial_rotary_factor", rope_parameters(config)["partial_rotary_factor"], "1.0 (the whole head_dim)")
     sizes = tp_sharded_sizes(config)
     check_tp_size(sizes, tp_size)
     heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
@@ -144,31 +154,31 @@ class Attention(nn.Module):
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        self.qkv_proj: nn.Linear | None = None  # set by `fuse` (serving)
+        self.fused = False  # serving on CUDA: RoPE as one kernel
+
+    def fuse(self) -> None:
+        """One q|k|v GEMM instead of three (serving): the weights move into one tensor."""
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         b, t, _ = x.shape
         a = self.a
-        q = self.q_proj(x).view(b, t, a.num_heads, a.head_dim)
-        k = self.k_proj(x).view(b, t, a.num_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(b, t, a.num_kv_heads, a.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([a.num_heads * a.head_dim, *[a.num_kv_heads * a.head_dim] * 2], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, a.num_heads, a.head_dim)
+        k = k.view(b, t, a.num_kv_heads, a.head_dim)
+        v = v.view(b, t, a.num_kv_heads, a.head_dim)
         if a.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rope = apply_rope_fused if self.fused else apply_rope
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         out = attend(self.layer_index, q, k, v)  # [B, heads, T, D]
         return row_parallel(self.o_proj, out.transpose(1, 2).reshape(b, t, -1), self.group)
-
-
-class MLP(nn.Module):
-    def __init__(self, a: LlamaArgs, group: dist.ProcessGroup | None):
-        super().__init__()
-        self.group = group
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return row_parallel(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), self.group)
 
 
 class DecoderLayer(nn.Module):
@@ -179,7 +189,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Attention(a, layer_index, group)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = MLP(a, group)
+        self.mlp = MLP(a.hidden_size, a.intermediate_size, group, bias=a.mlp_bias)
+
+    def fuse(self) -> None:
+        self.self_attn.fuse()
+        self.mlp.fuse()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)

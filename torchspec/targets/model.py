@@ -2,6 +2,10 @@
 
     embedding -> L x family layer (q/k/v, norms, RoPE, then the caller's attend) -> final RMSNorm;  lm_head
 
+Hybrid targets (Qwen3-Next, Qwen3.5) mix Gated DeltaNet layers into the stack; those hand their
+conv and delta rule to the same ``attend`` object through its ``RecurrentMix`` side
+(``torchspec/attend.py``), so capture and serving differ only in the attend there, too.
+
 One forward (`TargetDecoder.forward`) serves both worlds; only the `Attend` differs
 (``torchspec/attend.py``):
 
@@ -14,10 +18,15 @@ so the drafter sees in serving exactly the numerics it saw in training. The forw
 sync and no data-dependent Python branch (CUDA-graph friendly). ``logits(hidden)`` applies the
 lm_head separately, so callers decide which positions need ``[.., V]``.
 
-Families: ``ARCHITECTURES`` maps a config's ``model_type`` to the module that implements its layers
-(today `torchspec.targets.llama` for llama / mistral / qwen2 / qwen3). A family module provides
+Families: ``ARCHITECTURES`` maps a config's ``model_type`` to the module that implements its layers:
+`torchspec.targets.llama` (llama / mistral / qwen2 / qwen3) and `torchspec.targets.hybrid`
+(qwen3_next, and qwen3_5 whose text config is ``qwen3_5_text``). A family module provides
 ``decoder_args(config, tp_size)`` (validation, incl. `loader.check_tp_size`, and this shard's
-sizes), ``DecoderLayer(args, index, group)`` with ``forward(x, cos, sin, attend)``, and ``TP_PLAN``.
+sizes), ``DecoderLayer(args, index, group)`` with ``forward(x, cos, sin, attend)``, ``TP_PLAN`` and
+``Norm`` (the final norm's class). The args say which layers are which (``layer_kinds``:
+"attention" | "linear") and, for hybrids, the per-shard GDN state sizes (``recurrent``, a
+`hybrid.RecurrentShape`; None for llama) that serving allocates; `TargetDecoder.attention_layer_ids`
+/ ``linear_layer_ids`` list them.
 
 Tensor parallelism over a ``torch.distributed`` group (training: the mesh's tp group,
 ``mesh["tp"].get_group()``; serving: the tp group of the launch): the layers hold this rank's
@@ -40,21 +49,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchspec.attend import Attend
-from torchspec.targets import llama
+from torchspec.targets import hybrid, llama
 from torchspec.targets.capture import (
     TargetOutput,
     default_aux_layer_ids,
     dense_attend,
     validate_aux_layer_ids,
 )
-from torchspec.targets.layers import RMSNorm
 from torchspec.targets.loader import load_target_config, load_weights, resolve_target_path
 from torchspec.targets.rope import RopeTables
 
 DEFAULT_CACHE_DIR = "~/.cache/torchspec"  # same default as TargetConfig.cache_dir (GGUF conversions)
 
 # config.model_type -> the module implementing that family's layers (see the module docstring).
-ARCHITECTURES = dict.fromkeys(llama.FAMILIES, llama)
+ARCHITECTURES = {**dict.fromkeys(llama.FAMILIES, llama), **dict.fromkeys(hybrid.FAMILIES, hybrid)}
 
 
 def family_of(config):
@@ -99,7 +107,7 @@ class TargetDecoder(nn.Module):
         self.config = config  # the HF text config
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(self.family.DecoderLayer(a, i, group) for i in range(a.num_layers))
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.norm = self.family.Norm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tied_lm_head else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         with torch.device("cpu"):  # real tables even when the rest is built on meta
             self.rope = RopeTables.from_config(config)
@@ -137,6 +145,20 @@ class TargetDecoder(nn.Module):
             with open(gen_config) as f:
                 model._eos_token_ids = _eos_ids(*model._eos_token_ids, json.load(f).get("eos_token_id"))
         return model
+
+    def fuse_for_serving(self) -> TargetDecoder:
+        """Serving only, once after loading: q|k|v and gate|up as one GEMM each (`layers.fuse_linears`)
+        and, on CUDA, the elementwise chains (RMSNorm, RoPE, SwiGLU) as one kernel each
+        (`torchspec.targets.fused_ops`). Outputs agree with the unfused decoder to rounding; training
+        capture never calls it (it stays bit-identical to the transformers oracle). Idempotent."""
+        for layer in self.layers:
+            if not getattr(layer, "is_fused", False) and hasattr(layer, "fuse"):
+                layer.fuse()
+                layer.is_fused = True
+        for module in self.modules():
+            if hasattr(module, "fused"):
+                module.fused = True
+        return self
 
     def train(self, mode: bool = True) -> TargetDecoder:
         # Frozen means eval forever: a parent's .train() must not switch anything back on.
@@ -201,6 +223,16 @@ class TargetDecoder(nn.Module):
     @property
     def num_layers(self) -> int:
         return self.args.num_layers
+
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        """Layers that call ``attend(layer, q, k, v)`` (and need KV cache): all of them for llama."""
+        return [i for i, kind in enumerate(self.args.layer_kinds) if kind == "attention"]
+
+    @property
+    def linear_layer_ids(self) -> list[int]:
+        """Gated DeltaNet layers (conv + recurrent state of shape ``args.recurrent``); none for llama."""
+        return [i for i, kind in enumerate(self.args.layer_kinds) if kind == "linear"]
 
     @property
     def hidden_size(self) -> int:

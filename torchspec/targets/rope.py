@@ -3,7 +3,10 @@
 ``RopeTables.from_config(config)`` reads the checkpoint's RoPE settings and computes the inverse
 frequencies once; ``tables(positions, dtype)`` then gives ``cos, sin : [*positions.shape, head_dim]``
 for integer positions of any shape (prefill, decode, or per-node tree positions), and
-``apply_rope(x, cos, sin)`` rotates with HF Llama's rotate-half convention.
+``apply_rope(x, cos, sin)`` rotates with HF Llama's rotate-half convention. With a
+``partial_rotary_factor`` < 1 (Qwen3-Next / Qwen3.5: 0.25) the tables cover only the leading
+``rotary_dim`` dims of a head and `apply_rope` passes the rest through; which families accept a
+partial factor is each family's ``decoder_args`` business (the Llama family refuses it).
 
 Settings are read from ``config.rope_parameters`` (transformers 5: a dict with ``rope_type``,
 ``rope_theta``, ``factor``, ...) or, for older configs, from ``rope_theta`` + ``rope_scaling``
@@ -33,11 +36,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from torchspec.targets.fused_ops import fused
+
 DEFAULT_THETA = 10_000.0
 
 
 def rope_parameters(config) -> dict:
-    """The config's RoPE settings as one flat dict with ``rope_type`` and ``rope_theta`` filled in."""
+    """The config's RoPE settings as one flat dict with ``rope_type``, ``rope_theta`` and ``partial_rotary_factor``."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if any(isinstance(v, dict) for v in params.values()):
         raise ValueError(
@@ -55,20 +60,18 @@ def rope_parameters(config) -> dict:
             params["original_max_position_embeddings"] = original
         params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(
-            f"rope partial_rotary_factor={partial} is not supported: the Llama / Qwen3 families rotate the "
-            "whole head_dim (partial_rotary_factor 1.0)."
-        )
+    params["partial_rotary_factor"] = 1.0 if partial is None else partial
     return params
 
 
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def rotary_dim(config) -> int:
+    """How many leading dims of each head RoPE rotates: ``int(head_dim * partial_rotary_factor)`` (HF's rule)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(head_dim * rope_parameters(config)["partial_rotary_factor"])
 
 
 def _default(config, p: dict) -> tuple[Tensor, float]:
-    dim = _head_dim(config)
+    dim = rotary_dim(config)
     return 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
 
 
@@ -80,7 +83,7 @@ def _linear(config, p: dict) -> tuple[Tensor, float]:
 
 def _dynamic(config, p: dict) -> tuple[Tensor, float]:
     # HF's NTK base at seq_len = max_position_embeddings (see the module docstring): factor * L / L.
-    dim, max_len, factor = _head_dim(config), config.max_position_embeddings, p["factor"]
+    dim, max_len, factor = rotary_dim(config), config.max_position_embeddings, p["factor"]
     base = p["rope_theta"] * ((factor * max_len / max_len) - (factor - 1)) ** (dim / (dim - 2))
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
 
@@ -99,7 +102,7 @@ def _llama3(config, p: dict) -> tuple[Tensor, float]:
 
 
 def _yarn(config, p: dict) -> tuple[Tensor, float]:
-    dim, base = _head_dim(config), p["rope_theta"]
+    dim, base = rotary_dim(config), p["rope_theta"]
     original = p["original_max_position_embeddings"]
     factor = p.get("factor")
     if factor is None:
@@ -134,7 +137,7 @@ def _yarn(config, p: dict) -> tuple[Tensor, float]:
     return inv_freq, attention_factor
 
 
-# rope_type -> (config, flat rope parameters) -> (inv_freq [head_dim / 2] fp32, attention scaling)
+# rope_type -> (config, flat rope parameters) -> (inv_freq [rotary_dim / 2] fp32, attention scaling)
 ROPE_INV_FREQ: dict[str, Callable[..., tuple[Tensor, float]]] = {
     "default": _default,
     "linear": _linear,
@@ -145,7 +148,7 @@ ROPE_INV_FREQ: dict[str, Callable[..., tuple[Tensor, float]]] = {
 
 
 def rope_inv_freq(config) -> tuple[Tensor, float]:
-    """``(inv_freq [head_dim // 2] fp32 on CPU, attention_scaling)`` for the config's RoPE settings."""
+    """``(inv_freq [rotary_dim // 2] fp32 on CPU, attention_scaling)`` for the config's RoPE settings."""
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type not in ROPE_INV_FREQ:
@@ -157,11 +160,11 @@ def rope_inv_freq(config) -> tuple[Tensor, float]:
 
 
 class RopeTables(nn.Module):
-    """cos/sin for integer positions: ``forward(positions [...], dtype) -> (cos, sin) [..., head_dim]``."""
+    """cos/sin for integer positions: ``forward(positions [...], dtype) -> (cos, sin) [..., rotary_dim]``."""
 
     def __init__(self, inv_freq: Tensor, attention_scaling: float = 1.0):
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [head_dim // 2]
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [rotary_dim // 2]
         self.attention_scaling = attention_scaling
 
     @classmethod
@@ -170,8 +173,8 @@ class RopeTables(nn.Module):
         return cls(inv_freq.to(device), attention_scaling)
 
     def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # [..., head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [..., head_dim]
+        freqs = positions[..., None].float() * self.inv_freq  # [..., rotary_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [..., rotary_dim]
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
@@ -183,5 +186,15 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x [..., head_dim]`` by the angles whose cos/sin broadcast against it."""
-    return (x * cos) + (rotate_half(x) * sin)
+    """Rotate ``x [..., head_dim]`` by the angles whose cos/sin ``[..., rotary_dim]`` broadcast against it.
+
+    Partial rotary (rotary_dim < head_dim, Qwen3-Next / Qwen3.5): only the leading rotary_dim dims
+    turn, the rest pass through (HF's split; the branch is on shapes, not data)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return (x * cos) + (rotate_half(x) * sin)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat(((x_rot * cos) + (rotate_half(x_rot) * sin), x_pass), dim=-1)
+
+
+apply_rope_fused = fused(apply_rope)  # serving on CUDA: one kernel per call (`torchspec.targets.fused_ops`)
