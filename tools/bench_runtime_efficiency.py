@@ -88,19 +88,66 @@ def set_noise(engine, noise: float, seed: int = 0) -> None:
     w.copy_(base + noise / h**0.5 * torch.randn(h, 2 * h, device=w.device, generator=g))
 
 
+def copy_rate_bytes_per_s(device: str) -> float | None:
+    """The measured device-to-device copy rate (bytes read + written per second), the HBM ceiling."""
+    if not device.startswith("cuda"):
+        return None
+    n = 1 << 30  # 1 GiB each way: far past the L2
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    src.random_(0, 255)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n / sorted(times)[len(times) // 2]
+
+
+def bytes_per_plain_step(engine, concurrency: int, mean_ctx: float) -> float:
+    """What one plain decode step must read: every layer weight and the lm_head once (the embedding
+    reads only the batch's rows), plus the K/V of every committed position of every row."""
+    d = engine.decoder
+    weights = sum(p.numel() * p.element_size() for n, p in d.named_parameters() if not n.startswith("embed_tokens"))
+    if d.lm_head is None:  # tied: the embedding matrix is the head
+        weights += d.embed_tokens_weight.numel() * d.embed_tokens_weight.element_size()
+    kv = engine.caches.target.k
+    kv_per_token = 2 * kv.shape[0] * kv.shape[-2] * kv.shape[-1] * kv.element_size()  # cache layers x (K, V)
+    return weights + concurrency * mean_ctx * kv_per_token
+
+
+def count_rounds(engine) -> list[int]:
+    """Wrap ``engine._round`` to count engine rounds (batched steps): [count] updated in place."""
+    counter = [0]
+    inner = engine._round
+
+    def counted(*args, **kwargs):
+        counter[0] += 1
+        return inner(*args, **kwargs)
+
+    engine._round = counted
+    return counter
+
+
 def measure(engine, prompts, spec, max_new: int, concurrency: int) -> dict:
     engine.generate(prompts[:concurrency], max_new_tokens=8, spec=spec, ignore_eos=True, concurrency=concurrency)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    counter = count_rounds(engine)
     t0 = time.perf_counter()
     out = engine.generate(prompts, max_new_tokens=max_new, spec=spec, ignore_eos=True, concurrency=concurrency)
     wall = time.perf_counter() - t0
+    del engine._round  # back to the class method
     prefill = sum(r.prefill_s for r in out)
     tokens = sum(len(r.token_ids) - 1 for r in out)
     rounds = sum(len(r.accept_lengths) for r in out)
     return {"tokens_per_s": tokens / (wall - prefill), "mean_acceptance": sum(map(sum, (r.accept_lengths for r in out)))
-            / max(rounds, 1), "decode_s": wall - prefill, "tokens": tokens,
-            "outputs": [r.token_ids for r in out]}
+            / max(rounds, 1), "decode_s": wall - prefill, "tokens": tokens, "round_ms": 1e3 * (wall - prefill)
+            / max(counter[0], 1), "outputs": [r.token_ids for r in out]}
 
 
 def main() -> None:
@@ -119,6 +166,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run)")
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
+    copy_rate = copy_rate_bytes_per_s(args.device)
     specs = {"chain": SpecConfig(shape="chain", depth=args.depth),
              "tree": SpecConfig(shape="tree", depth=args.depth, topk=4, num_nodes=16)}
     rows = []
@@ -139,7 +187,11 @@ def main() -> None:
                     res = measure(engine, prompts, spec, args.max_new_tokens, c)
                     check_tp_consistency(res["outputs"], tp_group)
                     speedup = res["tokens_per_s"] / plain["tokens_per_s"]
+                    step_bytes = bytes_per_plain_step(engine, c, args.prompt_len + args.max_new_tokens / 2)
                     row = {"shape": shape, "noise": noise, "concurrency": c, "mode": name,
+                           "plain_step_ms": plain["round_ms"], "round_ms": res["round_ms"],
+                           "round_cost_plain_steps": res["round_ms"] / plain["round_ms"],
+                           "hbm_fraction": (step_bytes / (plain["round_ms"] / 1e3) / copy_rate) if copy_rate else None,
                            "plain_tokens_per_s": plain["tokens_per_s"], "tokens_per_s": res["tokens_per_s"],
                            "speedup": speedup, "mean_acceptance": res["mean_acceptance"],
                            "efficiency": speedup / res["mean_acceptance"],
@@ -149,7 +201,9 @@ def main() -> None:
                         continue
                     print(f"{shape:<13} noise={noise:<4} c={c:<3} {name:<6} plain {row['plain_tokens_per_s']:8.1f} "
                           f"spec {row['tokens_per_s']:8.1f} tok/s  x{speedup:.2f}  accept {row['mean_acceptance']:.2f}"
-                          f"  efficiency {row['efficiency']:.2f}  identical {row['identical_to_plain']:.2f}",
+                          f"  efficiency {row['efficiency']:.2f}  identical {row['identical_to_plain']:.2f}  step "
+                          f"{row['plain_step_ms']:.2f} ms  round {row['round_cost_plain_steps']:.2f} steps"
+                          + (f"  hbm {row['hbm_fraction']:.2f}" if copy_rate else ""),
                           flush=True)
         engine_tp = engine.decoder.tp_size
         del engine
@@ -158,7 +212,8 @@ def main() -> None:
     if not is_rank0():
         return
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    out = {"device": name, "tp": engine_tp, "args": vars(args), "rows": rows}
+    out = {"device": name, "tp": engine_tp, "copy_rate_gb_per_s": copy_rate / 1e9 if copy_rate else None,
+           "args": vars(args), "rows": rows}
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

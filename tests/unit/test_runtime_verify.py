@@ -280,19 +280,19 @@ def check_against_reference(res, tree: DraftTree, logits: torch.Tensor, d: int) 
 def test_greedy_accepts_the_longest_argmax_path(n, vocab):
     tree = random_tree(48, n, vocab, seed=n)
     logits = torch.randn(48, n, vocab, generator=torch.Generator().manual_seed(100 + n))
-    res = verify_greedy(tree, logits)
+    res = verify_greedy(tree, logits.argmax(-1))
     check_against_reference(res, tree, logits, n - 1)
     if n > 2:
         assert int(res.num_accepted.max()) >= 2  # the random trees do reach depth
     d = int(tree.depths.max())
-    check_against_reference(verify_greedy(tree, logits, max_depth=d), tree, logits, d)
+    check_against_reference(verify_greedy(tree, logits.argmax(-1), max_depth=d), tree, logits, d)
 
 
 def test_greedy_chain_stops_at_first_mismatch():
     tokens = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3], [5, 0, 2, 3]])
     best = torch.tensor([[1, 2, 3, 4], [1, 0, 3, 4], [1, 2, 3, 4]])  # target argmax at each node
     logits = torch.nn.functional.one_hot(best, 6).float()
-    res = verify_greedy(chain_tree(tokens), logits)
+    res = verify_greedy(chain_tree(tokens), logits.argmax(-1))
     assert res.num_accepted.tolist() == [3, 1, 0]
     assert res.next_token.tolist() == [4, 0, 1]
     assert res.path.tolist() == [[0, 1, 2, 3], [0, 1, PAD, PAD], [0, PAD, PAD, PAD]]

@@ -6,6 +6,12 @@ step), and a slot is freed -- its pages returned -- as soon as its sequence fini
 reads back only what a step committed (a few ints per row) once per round; all per-round tensors
 are static in shape.
 
+A hybrid target (Gated DeltaNet layers) also keeps a recurrent state per slot
+(``torchspec/runtime/recurrent_state.py``): a prompt prefilled into a slot starts from zero state
+(prefill never reads the slot's previous contents) and every step commits the state of the tokens
+it commits. Since committing is not idempotent, the first call of a CUDA graph (two warm-up runs
+and a replay, ``graphs.py``) is made with every row invalid, which commits nothing.
+
 Stop rules (identical with and without speculation, so greedy outputs are comparable token for
 token): a sequence ends after an EOS / stop token (kept in ``token_ids``), after
 ``max_new_tokens`` tokens, or when its next round would not fit ``max_context`` (reason "length").
@@ -13,6 +19,7 @@ token): a sequence ends after an EOS / stop token (kept in ``token_ids``), after
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -24,6 +31,7 @@ from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
 from torchspec.runtime.graphs import StepGraphs
 from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator, PagedKVCache
+from torchspec.runtime.recurrent_state import RecurrentState
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.steps import Caches, plain_step, prefill, speculate
 from torchspec.targets import TargetDecoder
@@ -60,10 +68,14 @@ class _Slot:
 class SpeculativeEngine:
     def __init__(self, decoder: TargetDecoder, runner: DrafterRunner | None = None, tokenizer=None, *,
                  max_batch: int = 8, max_context: int = 2048, page_size: int = 16, num_pages: int | None = None,
-                 cuda_graphs: bool | None = None, prefill_tokens: int = 16384):
+                 cuda_graphs: bool | None = None, prefill_tokens: int = 16384, fuse: bool = True):
+        """``fuse``: serve with `TargetDecoder.fuse_for_serving` (one GEMM for q|k|v and for gate|up,
+        elementwise chains compiled to one kernel each on CUDA); it changes the decoder in place."""
         if max_batch < 1 or max_context < 2 or page_size < 1:
             raise ValueError(f"SpeculativeEngine: max_batch={max_batch} >= 1, max_context={max_context} >= 2 and "
                              f"page_size={page_size} >= 1 are required.")
+        if fuse:
+            decoder.fuse_for_serving()
         self.decoder, self.runner, self.tokenizer = decoder, runner, tokenizer
         self.max_batch, self.max_context, self.page_size = max_batch, max_context, page_size
         self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward
@@ -73,7 +85,8 @@ class SpeculativeEngine:
         dev = decoder.embed_tokens_weight.device
         self.device = dev
         drafter_cache = runner.make_kv_cache(num_pages, page_size) if runner is not None else None
-        self.caches = Caches(PagedKVCache.for_target(decoder, num_pages, page_size), drafter_cache, page_size)
+        self.caches = Caches(PagedKVCache.for_target(decoder, num_pages, page_size), drafter_cache, page_size,
+                             RecurrentState.for_target(decoder, max_batch))
         self.block_table = torch.full((max_batch, self.pages_per_row), TRASH_PAGE, dtype=torch.long, device=dev)
         self.root = torch.zeros(max_batch, dtype=torch.long, device=dev)
         if runner is not None:
@@ -85,6 +98,7 @@ class SpeculativeEngine:
         if cuda_graphs and dev.type != "cuda":
             raise ValueError("cuda_graphs=True needs the engine on a CUDA device.")
         self.graphs = StepGraphs() if cuda_graphs else None
+        self._graph_keys: set = set()  # keys whose graph has been made (hybrid targets: see the docstring)
 
     # --- bookkeeping ---------------------------------------------------------------------------
 
@@ -219,7 +233,7 @@ class SpeculativeEngine:
             self._ensure_pages(slot_id, slots[slot_id], lengths[row])
         rows = torch.tensor([slot_id for slot_id, _ in chunk], dtype=torch.long).to(self.device)
         out = prefill(self.decoder, runner, self.caches, self.block_table[rows], ids.to(self.device),
-                      torch.tensor(lengths).to(self.device), sampling, generator)
+                      torch.tensor(lengths).to(self.device), sampling, generator, slots=rows)
         self._store(rows, out)
         for (slot_id, _), first in zip(chunk, out.root.tolist()):
             self._commit(slots[slot_id], [first], max_new, stop)
@@ -243,19 +257,19 @@ class SpeculativeEngine:
                            dtype=torch.long).to(self.device)
         bt = self.block_table[rows]
         if runner is None:
-            def step(bt, ctx, root, valid):
+            def step(bt, ctx, root, valid, slots):
                 return plain_step(self.decoder, self.caches, bt, ctx, root, valid, sampling,
-                                  generator if self.graphs is None else None)
-            args = {"bt": bt, "ctx": ctx, "root": self.root[rows], "valid": valid}
+                                  generator if self.graphs is None else None, slots=slots)
+            args = {"bt": bt, "ctx": ctx, "root": self.root[rows], "valid": valid, "slots": rows}
             key = ("plain", len(active_all), sampling)
         else:
-            def step(inp):
+            def step(inp, slots):
                 return speculate(self.decoder, runner, self.caches, inp, spec, sampling,
-                                 generator if self.graphs is None else None)
+                                 generator if self.graphs is None else None, slots=slots)
             args = {"inp": DraftInputs(root=self.root[rows], normed=self.normed[rows], feedback=self.feedback[rows],
-                                       ctx_len=ctx, block_table=bt, row_valid=valid)}
+                                       ctx_len=ctx, block_table=bt, row_valid=valid), "slots": rows}
             key = ("spec", len(active_all), spec, sampling)
-        out = step(**args) if self.graphs is None else self.graphs.run(key, step, args)
+        out = step(**args) if self.graphs is None else self._run_graph(key, step, args)
         self._store(rows, out)
         tokens, counts = out.tokens.tolist(), out.count.tolist()  # the round's one host sync
         dt = time.perf_counter() - t0
@@ -267,6 +281,21 @@ class SpeculativeEngine:
             slot.result.accept_lengths.append(counts[j])
             slot.result.decode_s += dt
             self._commit(slot, tokens[j][: counts[j]], max_new, stop)
+
+    def _run_graph(self, key, step, args: dict):
+        """``graphs.run``; a hybrid target's first call of ``key`` runs with every row invalid first,
+        so the capture's warm-up runs and first replay commit no recurrent state (nor RNG draws)."""
+        if self.caches.recurrent is not None and key not in self._graph_keys:
+            idle = dict(args)
+            if "valid" in idle:
+                idle["valid"] = torch.zeros_like(args["valid"])
+            else:
+                idle["inp"] = dataclasses.replace(args["inp"], row_valid=torch.zeros_like(args["inp"].row_valid))
+            rng = torch.cuda.get_rng_state()
+            self.graphs.run(key, step, idle)
+            torch.cuda.set_rng_state(rng)
+        self._graph_keys.add(key)
+        return self.graphs.run(key, step, args)
 
     def _retire_if_done(self, slot_id: int, slots: list, per_round: int) -> None:
         slot = slots[slot_id]

@@ -3,13 +3,16 @@
 Layout. Keys and values of every layer live in one flat slot pool per layer,
 ``k[layer] : [num_pages * page_size, kv_heads, head_dim]``; slot ``page * page_size + offset``.
 A sequence's logical position ``j`` is stored at slot ``block_table[j // page_size] * page_size
-+ j % page_size``. Page 0 is the **trash page**: never handed to a sequence, it receives the
-writes of padding rows/tokens so every forward has a static shape (what CUDA graphs need).
++ j % page_size`` (a hybrid target has pools for its attention layers only: ``PagedKVCache.pool``).
+Page 0 is the **trash page**: never handed to a sequence, it receives the writes of padding
+rows/tokens so every forward has a static shape (what CUDA graphs need).
 
-Attention over the cache (``paged_attention``) gathers a row's pages into a contiguous
-``[S = pages_per_row * page_size]`` key range and applies a boolean mask built once per forward by
-``build_attention_meta``. One mask rule serves prefill, plain decode, tree verification and the
-drafter's windowed attention:
+Attention over the cache (``paged_attention``) follows a compact description built once per
+forward by ``build_attention_meta`` (block table, committed lengths, anchors, window, tree mask). On
+CUDA the Triton kernels (``paged_attention_triton.py``) read each row's pages in place up to its
+length; the reference (CPU) gathers a row's pages into a contiguous ``[S = pages_per_row *
+page_size]`` key range and applies the same rule as a dense boolean mask. One mask rule serves
+prefill, plain decode, tree verification and the drafter's windowed attention:
 
     key j of row b is visible to query i  iff
         j <  ctx_len[b]  and  anchor[b, i] - window < j <= anchor[b, i]      (committed prefix)
@@ -27,6 +30,7 @@ equals the pool size minus the trash page (a test checks no page leaks).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,12 +73,19 @@ class PageAllocator:
 
 
 class PagedKVCache:
-    """Per-layer flat slot pools ``k[l], v[l] : [num_pages * page_size, kv_heads, head_dim]``."""
+    """Per-layer flat slot pools ``k[i], v[i] : [num_pages * page_size, kv_heads, head_dim]``.
+
+    ``layer_ids``: the model's (global) ids of the attention layers the pools hold, in pool order;
+    None = every layer, pool i = layer i. A hybrid target keeps KV for its attention layers only
+    (its Gated DeltaNet layers keep recurrent state: ``torchspec/runtime/recurrent_state.py``)."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, layer_ids: list[int] | None = None):
+        if layer_ids is not None and len(layer_ids) != num_layers:
+            raise ValueError(f"PagedKVCache: {len(layer_ids)} layer_ids for num_layers={num_layers} pools.")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.layer_index = None if layer_ids is None else {int(g): i for i, g in enumerate(layer_ids)}
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -82,10 +93,17 @@ class PagedKVCache:
     @classmethod
     def for_target(cls, decoder, num_pages: int, page_size: int, dtype: torch.dtype | None = None,
                    device: torch.device | str | None = None) -> PagedKVCache:
-        """An empty cache for a ``TargetDecoder``'s layers and this rank's KV heads (default: the
-        decoder's dtype and device)."""
+        """An empty cache for a ``TargetDecoder``'s attention layers and this rank's KV heads (default:
+        the decoder's dtype and device): every layer of a Llama-family target, only
+        ``decoder.attention_layer_ids`` of a hybrid one."""
         a, w = decoder.args, decoder.embed_tokens.weight
-        return cls(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype or w.dtype, device or w.device)
+        ids = None if a.recurrent is None else list(decoder.attention_layer_ids)
+        n = a.num_layers if ids is None else len(ids)
+        return cls(n, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype or w.dtype, device or w.device, ids)
+
+    def pool(self, layer: int) -> int:
+        """The pool index of model layer ``layer``."""
+        return layer if self.layer_index is None else self.layer_index[layer]
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy K/V of every layer from flat slots ``src`` to ``dst`` (same shape; gather first, so
@@ -97,11 +115,45 @@ class PagedKVCache:
 
 @dataclass
 class AttentionMeta:
-    """Static-shape description of one forward over the paged cache (shared by all layers)."""
+    """Static-shape description of one forward over the paged cache (shared by all layers).
+
+    The compact fields are what the Triton kernels read; ``key_slots`` and ``mask`` (the gather
+    reference's dense view, ``[B, S]`` and ``[B, 1, Tq, S]`` with S = P * page_size) are built on
+    first use, so a forward on the kernels never materialises them."""
 
     write_slots: torch.Tensor  # [B, Tq] flat slot each new token's K/V is written to
-    key_slots: torch.Tensor  # [B, S] flat slot of every logical key position 0..S-1 of the row
-    mask: torch.Tensor  # [B, 1, Tq, S] bool, True = attend
+    block_table: torch.Tensor  # [B, P]
+    ctx_len: torch.Tensor  # [B] committed keys of the row
+    anchor: torch.Tensor  # [B, Tq] last committed position each query may see
+    tree_mask: torch.Tensor  # [B, Tq, R + Tq] bool, over the uncommitted positions ctx_len .. ctx_len + R + Tq - 1
+    page_size: int
+    window: int | None = None
+
+    @property
+    def offset(self) -> int:
+        """R: uncommitted tokens of earlier forwards of this round that precede this forward's."""
+        return self.tree_mask.shape[-1] - self.tree_mask.shape[-2]
+
+    @functools.cached_property
+    def key_slots(self) -> torch.Tensor:
+        """[B, S] flat slot of every logical key position 0..S-1 of the row."""
+        b, p = self.block_table.shape
+        offsets = torch.arange(self.page_size, device=self.block_table.device)
+        return (self.block_table[:, :, None] * self.page_size + offsets).reshape(b, p * self.page_size)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, Tq, S] bool, True = attend: the rule of the module docstring, spelled out densely."""
+        b, p = self.block_table.shape
+        tq, width = self.tree_mask.shape[-2], self.tree_mask.shape[-1]
+        s = p * self.page_size
+        j = torch.arange(s, device=self.block_table.device)[None, None, :]  # [1, 1, S]
+        ctx = self.ctx_len[:, None, None]
+        committed = (j < ctx) & in_window(self.anchor[:, :, None], j, self.window)  # THE window rule
+        rel = j - ctx  # [B, 1, S]
+        in_new = (rel >= 0) & (rel < width)
+        tree_ok = torch.gather(self.tree_mask, 2, rel.clamp(0, width - 1).expand(b, tq, s))
+        return (committed | (in_new & tree_ok))[:, None]
 
 
 def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -131,27 +183,16 @@ def build_attention_meta(
     tree; [B, Tq, R + Tq] when R uncommitted tokens of this round precede them), anchor [B, Tq] (default ctx_len - 1), window (None = unbounded), row_valid [B] (False
     rows write to the trash page).
     """
-    b, p = block_table.shape
+    b = block_table.shape[0]
     tq, width = tree_mask.shape[-2], tree_mask.shape[-1]  # width = R + Tq
-    dev = block_table.device
-    s = p * page_size
-    offsets = torch.arange(width - tq, width, device=dev)
-    new_pos = ctx_len[:, None] + offsets  # [B, Tq]
-    write_slots = slots_for_positions(block_table, new_pos, page_size)
+    offsets = torch.arange(width - tq, width, device=block_table.device)
+    write_slots = slots_for_positions(block_table, ctx_len[:, None] + offsets, page_size)  # [B, Tq]
     if row_valid is not None:
         write_slots = torch.where(row_valid[:, None], write_slots, torch.full_like(write_slots, TRASH_PAGE * page_size))
-    key_slots = (block_table[:, :, None] * page_size + torch.arange(page_size, device=dev)).reshape(b, s)
-    j = torch.arange(s, device=dev)[None, None, :]  # [1, 1, S]
-    ctx = ctx_len[:, None, None]
     if anchor is None:
         anchor = (ctx_len - 1)[:, None].expand(b, tq)
-    a = anchor[:, :, None]
-    committed = (j < ctx) & in_window(a, j, window)  # the one sliding-window rule (torchspec.attend)
-    rel = j - ctx  # [B, 1, S]
-    in_new = (rel >= 0) & (rel < width)
-    tree_ok = torch.gather(tree_mask, 2, rel.clamp(0, width - 1).expand(b, tq, s))
-    mask = committed | (in_new & tree_ok)
-    return AttentionMeta(write_slots=write_slots, key_slots=key_slots, mask=mask[:, None])
+    return AttentionMeta(write_slots=write_slots, block_table=block_table, ctx_len=ctx_len, anchor=anchor,
+                         tree_mask=tree_mask, page_size=page_size, window=window)
 
 
 class PagedAttend:
@@ -162,31 +203,50 @@ class PagedAttend:
         self.cache, self.meta = cache, meta
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return paged_attention(q, k, v, self.cache.k[layer], self.cache.v[layer], self.meta, q.shape[-1] ** -0.5)
+        i = self.cache.pool(layer)
+        return paged_attention(q, k, v, self.cache.k[i], self.cache.v[i], self.meta, q.shape[-1] ** -0.5)
 
 
 def paged_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     meta: AttentionMeta, scale: float,
 ) -> torch.Tensor:
-    """Write this forward's K/V into the pool, then attend over the row's gathered pages.
+    """Write this forward's K/V into the pool, then attend over the row's keys as ``meta`` says.
 
     q [B, heads, Tq, D]; k_new/v_new [B, kv_heads, Tq, D]; k_pool/v_pool [slots, kv_heads, D] (one
-    layer). Returns [B, heads, Tq, D].
+    layer). Returns [B, heads, Tq, D]. On CUDA with Triton the kernels of
+    ``paged_attention_triton.py`` read pages in place up to each row's length; elsewhere (and for
+    head sizes they do not take) the gather reference below.
     """
     b, kvh, tq, d = k_new.shape
     flat = meta.write_slots.reshape(-1)
     k_pool.index_copy_(0, flat, k_new.transpose(1, 2).reshape(-1, kvh, d).to(k_pool.dtype))
     v_pool.index_copy_(0, flat, v_new.transpose(1, 2).reshape(-1, kvh, d).to(v_pool.dtype))
+    kernel = _triton_kernel() if q.is_cuda else None
+    if kernel is not None and kernel.supports(q):
+        return kernel.paged_attention_triton(q, k_pool, v_pool, meta, scale)
+    return paged_attention_reference(q, k_pool, v_pool, meta, scale)
+
+
+def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMeta,
+                              scale: float) -> torch.Tensor:
+    """Gather every page of each row's block table ([B, kv_heads, S, D]) and apply the dense mask."""
+    kvh, d = k_pool.shape[1], k_pool.shape[2]
     b, s = meta.key_slots.shape
     flat_keys = meta.key_slots.reshape(-1)  # index_select: far cheaper than advanced indexing
-    keys = k_pool.index_select(0, flat_keys).view(b, s, kvh, d).transpose(1, 2)  # [B, kv_h, S, D]
-    values = v_pool.index_select(0, flat_keys).view(b, s, kvh, d).transpose(1, 2)
-    groups = q.shape[1] // kvh
-    if groups > 1:
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    keys = k_pool.index_select(0, flat_keys).view(b, s, kvh, d).transpose(1, 2).to(q.dtype)  # [B, kv_h, S, D]
+    values = v_pool.index_select(0, flat_keys).view(b, s, kvh, d).transpose(1, 2).to(q.dtype)
     if q.device.type == "cpu":  # CPU SDPA on strided operands takes a path ~300x slower; CUDA kernels don't care
         q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, scale=scale)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, scale=scale,
+                                          enable_gqa=q.shape[1] != kvh)
+
+
+@functools.cache
+def _triton_kernel():
+    """The Triton module, or None where Triton is not installed (imported on first CUDA use only)."""
+    try:
+        from torchspec.runtime import paged_attention_triton
+    except ImportError:
+        return None
+    return paged_attention_triton

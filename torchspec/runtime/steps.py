@@ -14,6 +14,12 @@ A round (``speculate``):
        nodes leave no trace (positions >= the new ctx are never attended again);
     4. catch the drafter up: step-0 entries for the a + 1 new committed positions, fed the target
        states the verify forward captured on the accepted path.
+
+Hybrid targets (Gated DeltaNet layers) also keep a recurrent state per slot (``caches.recurrent``,
+``torchspec/runtime/recurrent_state.py``): prefill and plain decode commit it as they run; in a
+round every tree node continues from its parent's state and, after step 3, only the state of the
+accepted path's last node ``path[b, num_accepted[b]]`` is committed (rejected nodes leave no trace
+there either). ``slots`` [B] names each row's state slot (default: row b is slot b).
 """
 
 from __future__ import annotations
@@ -25,7 +31,20 @@ import torch
 from torchspec.attend import in_window
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, draft_round
-from torchspec.runtime.paged_kv import PagedAttend, PagedKVCache, build_attention_meta, slots_for_positions
+from torchspec.runtime.paged_kv import (
+    AttentionMeta,
+    PagedAttend,
+    PagedKVCache,
+    build_attention_meta,
+    slots_for_positions,
+)
+from torchspec.runtime.recurrent_state import (
+    HybridAttend,
+    RecurrentState,
+    RecurrentStep,
+    build_recurrent_meta,
+    tree_level_widths,
+)
 from torchspec.runtime.sampling import SamplingParams, process_logits, sample
 from torchspec.runtime.verify import verify_greedy, verify_sampling
 from torchspec.targets import TargetDecoder
@@ -36,6 +55,7 @@ class Caches:
     target: PagedKVCache
     drafter: PagedKVCache | None
     page_size: int
+    recurrent: RecurrentState | None = None  # hybrid targets: per-slot conv / delta-rule state
 
 
 @dataclass
@@ -49,17 +69,32 @@ class StepOut:
     feedback: torch.Tensor | None = None
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """[..., V] fp32 target logits -> token [...] (argmax, or a draw from the processed distribution)."""
+def next_token(decoder: TargetDecoder, hidden: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator) -> torch.Tensor:
+    """[..., H] final hidden -> token [...]: the target's argmax (no full logits under TP), or a draw
+    from its processed fp32 distribution."""
     if params.greedy:
-        return logits.argmax(-1)
-    return sample(process_logits(logits, params), generator)
+        return decoder.argmax(hidden)
+    return sample(process_logits(decoder.logits(hidden), params), generator)
 
 
 def causal_mask(b: int, t: int, device, window: int | None = None) -> torch.Tensor:
     """[B, T, T] bool: query i sees key j by THE window rule (`torchspec.attend.in_window`)."""
     i = torch.arange(t, device=device)
     return in_window(i[:, None], i[None, :], window).expand(b, t, t)
+
+
+def target_attend(caches: Caches, meta: AttentionMeta, slots: torch.Tensor | None, row_valid: torch.Tensor,
+                  **recurrent) -> PagedAttend | HybridAttend:
+    """The target's attend for one forward: paged attention, plus the recurrent state's ops for a
+    hybrid target (``recurrent``: `build_recurrent_meta`'s lengths / parents / depths / level_widths)."""
+    paged = PagedAttend(caches.target, meta)
+    if caches.recurrent is None:
+        return paged
+    if slots is None:
+        slots = torch.arange(row_valid.shape[0], device=row_valid.device)
+    rmeta = build_recurrent_meta(slots, caches.recurrent.conv_kernel, row_valid=row_valid, **recurrent)
+    return HybridAttend(paged, RecurrentStep(caches.recurrent, rmeta))
 
 
 def catch_up_drafter(runner: DrafterRunner, caches: Caches, block_table: torch.Tensor, ctx: torch.Tensor,
@@ -79,10 +114,11 @@ def catch_up_drafter(runner: DrafterRunner, caches: Caches, block_table: torch.T
 
 def prefill(decoder: TargetDecoder, runner: DrafterRunner | None, caches: Caches, block_table: torch.Tensor,
             prompts: torch.Tensor, lengths: torch.Tensor, params: SamplingParams,
-            generator: torch.Generator | None) -> StepOut:
+            generator: torch.Generator | None, slots: torch.Tensor | None = None) -> StepOut:
     """Prompts [B, T] (right-padded; ``lengths`` [B]) into empty rows: fills the target (and
     drafter) cache and samples each row's first token x_P. Padding positions only write KV at
-    positions >= the row's length (uncommitted, or the trash page beyond its block table)."""
+    positions >= the row's length (uncommitted, or the trash page beyond its block table); a hybrid
+    target's rows start from zero state and commit the state after their last real token."""
     b, t = prompts.shape
     dev = prompts.device
     zero = torch.zeros(b, dtype=torch.long, device=dev)
@@ -90,10 +126,11 @@ def prefill(decoder: TargetDecoder, runner: DrafterRunner | None, caches: Caches
     positions = torch.arange(t, device=dev).expand(b, t)
     meta = build_attention_meta(block_table, zero, causal_mask(b, t, dev), caches.page_size, row_valid=valid)
     aux_ids = tuple(runner.config.aux_layer_ids) if runner is not None else ()
-    out = decoder(prompts, positions, PagedAttend(caches.target, meta), capture_layers=aux_ids)
+    attend = target_attend(caches, meta, slots, valid, lengths=lengths)
+    out = decoder(prompts, positions, attend, capture_layers=aux_ids)
     last = (lengths - 1)[:, None, None]
     hidden_last = torch.gather(out.hidden, 1, last.expand(b, 1, out.hidden.shape[-1]))[:, 0]
-    first = next_token(decoder.logits(hidden_last), params, generator)  # [B]
+    first = next_token(decoder, hidden_last, params, generator)  # [B]
     step = StepOut(tokens=first[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=first)
     if runner is not None:
         shifted = torch.cat([prompts[:, 1:], first[:, None]], 1)  # x_{t+1}; x_P at position P - 1
@@ -105,34 +142,37 @@ def prefill(decoder: TargetDecoder, runner: DrafterRunner | None, caches: Caches
 
 def plain_step(decoder: TargetDecoder, caches: Caches, block_table: torch.Tensor, ctx: torch.Tensor,
                root: torch.Tensor, row_valid: torch.Tensor, params: SamplingParams,
-               generator: torch.Generator) -> StepOut:
-    """Plain decoding: one target forward per token."""
+               generator: torch.Generator, slots: torch.Tensor | None = None) -> StepOut:
+    """Plain decoding: one target forward per token (a hybrid target's state is committed at once)."""
     b = root.shape[0]
     dev = root.device
     meta = build_attention_meta(block_table, ctx, torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
                                 caches.page_size, row_valid=row_valid)
-    out = decoder(root[:, None], ctx[:, None], PagedAttend(caches.target, meta))
-    tok = next_token(decoder.logits(out.hidden[:, 0]), params, generator)
+    out = decoder(root[:, None], ctx[:, None], target_attend(caches, meta, slots, row_valid))
+    tok = next_token(decoder, out.hidden[:, 0], params, generator)
     return StepOut(tokens=tok[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=tok)
 
 
 def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp: DraftInputs,
-              spec: SpecConfig, params: SamplingParams, generator: torch.Generator) -> StepOut:
+              spec: SpecConfig, params: SamplingParams, generator: torch.Generator,
+              slots: torch.Tensor | None = None) -> StepOut:
     """One draft-verify-accept-compact-catch-up round over the active rows (see module docstring)."""
     tree = draft_round(runner, caches.drafter, inp, spec, params, generator)
     b, n = tree.tokens.shape
     dev = tree.tokens.device
     ctx, bt = inp.ctx_len, inp.block_table
     meta = build_attention_meta(bt, ctx, tree.attention_mask(spec.depth), caches.page_size, row_valid=inp.row_valid)
-    out = decoder(tree.tokens, ctx[:, None] + tree.depths, PagedAttend(caches.target, meta),
-                  capture_layers=tuple(runner.config.aux_layer_ids))
-    logits = decoder.logits(out.hidden)  # [B, N, V] fp32
+    attend = target_attend(caches, meta, slots, inp.row_valid, parents=tree.parents, depths=tree.depths,
+                           level_widths=tree_level_widths(spec, params))
+    out = decoder(tree.tokens, ctx[:, None] + tree.depths, attend, capture_layers=tuple(runner.config.aux_layer_ids))
     if params.greedy:
-        res = verify_greedy(tree, logits, max_depth=spec.depth)
+        res = verify_greedy(tree, decoder.argmax(out.hidden), max_depth=spec.depth)  # [B, N] argmaxes
     else:
-        res = verify_sampling(tree, process_logits(logits, params), generator, max_depth=spec.depth,
+        res = verify_sampling(tree, process_logits(decoder.logits(out.hidden), params), generator, max_depth=spec.depth,
                               max_tries=spec.max_tries(params))
     a = res.num_accepted  # [B]
+    if isinstance(attend, HybridAttend):  # recurrent state: the accepted path's last node only
+        attend.commit(res.path.gather(1, a[:, None])[:, 0], inp.row_valid)
     width = res.path.shape[1]  # D + 1
     steps = torch.arange(width, device=dev)
     on_path = steps[None] <= a[:, None]  # [B, D+1]

@@ -135,18 +135,18 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
     return _result(tree, path[:, : d + 1], num, sample(p, generator))
 
 
-def verify_greedy(tree: DraftTree, target_logits: torch.Tensor, max_depth: int | None = None) -> VerifyResult:
-    """Accept the longest path whose every node's token is the target argmax at its parent.
+def verify_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int | None = None) -> VerifyResult:
+    """Accept the longest path whose every node's token is the target's argmax at its parent.
 
-    Among siblings holding the same matching token the first by ``sibling_rank`` (then node
-    index) is taken; the next token is the argmax at the last accepted node. target_logits
-    [B, N, V] (logits or probabilities: only the argmax is used). ``max_depth`` as in
-    ``verify_sampling``.
+    ``target_tokens`` [B, N] long: the target's argmax after each node (`TargetDecoder.argmax`: under
+    TP no rank needs the full logits). Among siblings holding the same matching token the first by
+    ``sibling_rank`` (then node index) is taken; the next token is the argmax at the last accepted
+    node. ``max_depth`` as in ``verify_sampling``.
     """
-    b, n, _ = target_logits.shape
-    dev = target_logits.device
+    b, n = target_tokens.shape
+    dev = target_tokens.device
     d = _depth_bound(tree, max_depth)
-    best = target_logits.argmax(dim=-1)  # [B, N]
+    best = target_tokens
     parent = tree.parents.clamp(min=0)
     match = tree.valid & (tree.parents >= 0) & (tree.tokens == best.gather(1, parent))  # [B, N]
     match[:, 0] = False

@@ -96,6 +96,7 @@ def delta_rule_chunked(
     out_dtype = v.dtype
     b, t, h, dk = k.shape
     dv = v.shape[-1]
+    chunk_size = max(1, min(chunk_size, t))  # a short sequence is one chunk of its own length, not padded
     n = -(-t // chunk_size)
     pad = n * chunk_size - t
     if starts is None:

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchspec.attend import Attend
@@ -56,6 +55,7 @@ from torchspec.targets.capture import (
     dense_attend,
     validate_aux_layer_ids,
 )
+from torchspec.targets.head import VocabParallelHead
 from torchspec.targets.loader import load_target_config, load_weights, resolve_target_path
 from torchspec.targets.rope import RopeTables
 
@@ -104,6 +104,7 @@ class TargetDecoder(nn.Module):
         self._aux_layer_ids = [int(i) for i in aux_layer_ids]
         self.tp_size, self.tp_rank = tp_size, (dist.get_rank(tp_group) if tp_group is not None else 0)
         group = tp_group if tp_size > 1 else None
+        self.tp_group = group
         self.config = config  # the HF text config
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(self.family.DecoderLayer(a, i, group) for i in range(a.num_layers))
@@ -201,8 +202,16 @@ class TargetDecoder(nn.Module):
 
     @torch.no_grad()
     def logits(self, hidden: Tensor) -> Tensor:
-        """Serving: [..., H] -> fp32 [..., V], the lm_head in the model dtype, then upcast."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        """Serving: [..., H] -> fp32 [..., V], model-dtype operands accumulated AND returned in fp32 (no
+        bf16 rounding, so no rounding-made ties). Under TP each rank scores its vocabulary slice and
+        the slices are all-gathered (`torchspec.targets.head`)."""
+        return VocabParallelHead(self.lm_head_weight, self.tp_group).logits(hidden)
+
+    @torch.no_grad()
+    def argmax(self, hidden: Tensor) -> Tensor:
+        """Serving, greedy: [..., H] -> [...] the argmax of `logits` (lowest id on ties) without
+        materialising the full logits under TP: one all-gather of (max, id) per position."""
+        return VocabParallelHead(self.lm_head_weight, self.tp_group).argmax(hidden)
 
     def target_logits(self, last_hidden: Tensor) -> Tensor:
         """Training's teacher: fp32 logits of the lm_head on the post-norm last hidden, [..., H] -> [..., V]."""

@@ -1,0 +1,107 @@
+"""The paged-attention reference path and tools/bench_attention_paged.py on CPU.
+
+* SDPA's ``enable_gqa`` (the reference's GQA) equals expanding KV heads with ``repeat_interleave``
+  exactly in fp32 on CPU, so the CPU path did not move.
+* ``AttentionMeta``'s dense view (``mask`` / ``key_slots``) is built on first use only.
+* The benchmark's ``--smoke`` mode: reference only in-process, and kernel + reference under
+  Triton's interpreter in a fresh process (``TRITON_INTERPRET`` is read when kernels are defined);
+  skipped where triton is not importable.
+* The kernels' launch plan: legal tiles and split counts, partials small against the KV they cover.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchspec.runtime.paged_kv import build_attention_meta, paged_attention_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "bench_attention_paged.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_attention_paged", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("group,tq", [(4, 1), (8, 17), (2, 40)])
+def test_reference_gqa_equals_repeat_interleave(group, tq):
+    g = torch.Generator().manual_seed(group)
+    b, kvh, d, page, pages = 3, 2, 64, 16, 6
+    k_pool = torch.randn(b * pages * page + page, kvh, d, generator=g)
+    v_pool = torch.randn_like(k_pool)
+    bt = (torch.randperm(b * pages, generator=g) + 1).view(b, pages)
+    ctx = torch.tensor([5, 37, 60])
+    mask = torch.rand(b, tq, tq, generator=g) < 0.5
+    mask |= torch.eye(tq, dtype=torch.bool)
+    meta = build_attention_meta(bt, ctx, mask, page, window=24)
+    q = torch.randn(b, kvh * group, tq, d, generator=g)
+    got = paged_attention_reference(q, k_pool, v_pool, meta, d ** -0.5)
+    s = meta.key_slots.shape[1]
+    keys = k_pool[meta.key_slots.reshape(-1)].view(b, s, kvh, d).transpose(1, 2).repeat_interleave(group, 1)
+    values = v_pool[meta.key_slots.reshape(-1)].view(b, s, kvh, d).transpose(1, 2).repeat_interleave(group, 1)
+    want = F.scaled_dot_product_attention(q, keys.contiguous(), values.contiguous(), attn_mask=meta.mask,
+                                          scale=d ** -0.5)
+    assert torch.equal(got, want)
+
+
+def test_dense_view_is_lazy():
+    bt = torch.arange(1, 5)[None]
+    meta = build_attention_meta(bt, torch.tensor([7]), torch.ones(1, 2, 2, dtype=torch.bool).tril(), 4)
+    assert "mask" not in vars(meta) and "key_slots" not in vars(meta)
+    assert meta.offset == 0 and torch.equal(meta.anchor, torch.tensor([[6, 6]]))
+    assert meta.mask.shape == (1, 1, 2, 16) and meta.mask is meta.mask  # built once, then cached
+    assert meta.mask[0, 0].sum(-1).tolist() == [8, 9]  # 7 committed keys + its own / both new tokens
+
+
+def test_smoke_reference_only(bench, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "rows.json"
+    rows = bench.main(["--smoke", "--json", str(out)])
+    assert {r["impl"] for r in rows} == {"reference"} and len(rows) == 4
+    assert all(r["ms"] > 0 and r["kv_gbps"] > 0 and r["max_err"] is None for r in rows)
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == rows and saved["setup"]["device"] == "cpu" and saved["setup"]["copy_gbps"] > 0
+    assert "| mode | Tq | batch | ctx | impl |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not importable")
+def test_smoke_kernels_under_the_interpreter(tmp_path):
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, str(TOOL), "--smoke", "--json", str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    cases = {(r["mode"], r["batch"], r["ctx"]) for r in rows}
+    assert len(cases) == 4 and len(rows) == 8  # kernel and reference for each case
+    assert all(r["max_err"] < 1e-5 for r in rows), [r["max_err"] for r in rows]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not importable")
+@pytest.mark.parametrize("batch,tq,dtype", [(1, 1, torch.bfloat16), (64, 1, torch.bfloat16), (8, 33, torch.bfloat16),
+                                            (64, 33, torch.bfloat16), (2, 512, torch.bfloat16), (4, 17, torch.float32)])
+def test_launch_plan_is_bounded(batch, tq, dtype):
+    """Split counts and tiles are legal for the grid, and a split's fp32 partials stay <= 1/4 of the
+    bf16 KV bytes its chunk reads (the reason for ``min_chunk``)."""
+    from torchspec.runtime.paged_attention_triton import SPLIT_MAX_TQ, plan
+
+    cfg = plan(batch, 8, tq, 4, 128, 32768, dtype, torch.device("cpu"))
+    assert cfg["split"] == (tq <= SPLIT_MAX_TQ)
+    assert 1 <= cfg["num_splits"] <= 128 and (cfg["split"] or cfg["num_splits"] == 1)
+    assert cfg["m_blocks"] * cfg["block_m"] >= tq * 4 and cfg["min_chunk"] % cfg["block_n"] == 0
+    partial_bytes, kv_bytes = 8 * tq * 4 * 128, 4 * cfg["min_chunk"] * 128
+    assert partial_bytes <= kv_bytes / 4

@@ -1,0 +1,244 @@
+"""Benchmark attention over the paged KV cache: the Triton kernels against the gather reference.
+
+One layer's attention as ``paged_attention`` runs it in serving (this forward's K/V already in the
+pool), at the Qwen3-8B attention shape by default (32 query heads, 8 KV heads, head_dim 128, bf16):
+
+* ``decode``: one query per row; ``tree16`` / ``tree32``: a verify forward of the root plus 16 / 32
+  nodes of a random tree (Tq = 17 / 33); optional ``prefill512``: a 512-token chunk after the prefix.
+* committed context 2K / 8K / 32K (32K less the forward's Tq, so the round fits) with the block
+  table sized for ``--max-context`` (32K): the
+  reference gathers all 32K slots of every row whatever its length, the kernels read ``ctx`` keys,
+  so their time should follow the context column while the reference's stays flat.
+* batch 1 / 8 / 64; rows hold scattered pages from a shared pool; table entries past a row's
+  pages are the trash page, as the engine leaves them.
+
+Timing (CUDA): each call is captured ``--inner`` times in one CUDA graph (serving replays graphs;
+this drops launch overhead from the comparison), warm-up replays, then ``--repeats`` replays
+between CUDA events; the median per call is reported. ``mask_ms`` is the reference's per-forward
+dense mask (built once per forward, shared by the layers); the kernels need none. ``kv_gbps`` =
+bytes of K and V the row lengths require (B * kv_heads * (ctx + Tq) * D * 2 * itemsize) / time, so
+the reference's value shows how little of what it reads is needed; ``of_copy`` divides it by the
+device-to-device copy rate measured here on a 2 GiB buffer ((read + write bytes) / time). Each case
+first checks the kernel against the reference (``max_err``).
+
+    python tools/bench_attention_paged.py --json docs/bench/attention_paged_h200.json     # GPU
+    TRITON_INTERPRET=1 python tools/bench_attention_paged.py --smoke                       # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from torchspec.runtime.paged_kv import build_attention_meta, paged_attention_reference
+from torchspec.runtime.tree import tree_attention_mask
+
+MODES = {"decode": 1, "tree16": 17, "tree32": 33, "prefill512": 512}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, tiny shapes; the kernels only under TRITON_INTERPRET=1 (else the reference alone)")
+    p.add_argument("--modes", nargs="+", default=["decode", "tree16", "tree32"], choices=sorted(MODES))
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--max-context", type=int, default=32768, help="block table width in tokens")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--impls", nargs="+", default=["kernel", "reference"], choices=["kernel", "reference"])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--inner", type=int, default=10, help="calls per CUDA graph replay")
+    p.add_argument("--json", default=None, help="write the rows here (e.g. docs/bench/attention_paged_h200.json)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.modes = ["decode", "tree16"]
+        args.contexts, args.batches, args.max_context = [40, 100], [2], 128
+        args.heads, args.kv_heads, args.head_dim, args.dtype = 4, 2, 64, "fp32"
+        args.warmup, args.repeats, args.inner = 1, 2, 1
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        args.impls = ["kernel", "reference"] if interpret and _has_triton() else ["reference"]
+        args.device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            p.error("CUDA is not available; pass --smoke for the CPU check")
+        args.device = torch.device("cuda")
+    args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    return args
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def copy_gbps(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate, (read + write bytes) / time, median of 10."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(12):
+        t0 = _now(device)
+        dst.copy_(src)
+        elapsed = _since(device, t0)
+        if i >= 2:
+            times.append(elapsed)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def _now(device):
+    if device.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def _since(device, start) -> float:
+    """Seconds since ``start`` (a CUDA event, synchronising, or a perf_counter reading)."""
+    if device.type == "cuda":
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    return time.perf_counter() - start
+
+
+def make_case(args, batch: int, ctx: int, tq: int, seed: int = 0):
+    """Pool, block tables, meta and q for ``batch`` rows of ``ctx`` committed tokens plus ``tq`` new."""
+    dev, page = args.device, args.page_size
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pages_per_row = args.max_context // page
+    need = -(-(ctx + tq) // page)
+    assert need <= pages_per_row, f"ctx {ctx} + {tq} does not fit max_context {args.max_context}"
+    num_pages = batch * need + 1
+    perm = torch.randperm(num_pages - 1, generator=g)[: batch * need] + 1
+    bt = torch.zeros(batch, pages_per_row, dtype=torch.long)
+    bt[:, :need] = perm.view(batch, need)
+    shape = (num_pages * page, args.kv_heads, args.head_dim)
+    k_pool = torch.randn(shape, dtype=args.dtype, device=dev)
+    v_pool = torch.randn(shape, dtype=args.dtype, device=dev)
+    q = torch.randn(batch, tq, args.heads, args.head_dim, dtype=args.dtype, device=dev).transpose(1, 2)
+    if tq > 64:
+        tree = torch.ones(tq, tq, dtype=torch.bool).tril().expand(batch, tq, tq)
+    else:
+        parents = torch.stack([torch.cat([torch.tensor([-1]), (torch.rand(tq - 1, generator=g)
+                               * torch.arange(1, tq)).long()]) for _ in range(batch)])
+        tree = tree_attention_mask(parents)
+    ctx_len = torch.full((batch,), ctx, dtype=torch.long)
+    meta = build_attention_meta(bt.to(dev), ctx_len.to(dev), tree.to(dev), page)
+    return q, k_pool, v_pool, meta
+
+
+def time_ms(args, call) -> float:
+    """Median milliseconds per call (CUDA graph of ``inner`` calls, or perf_counter on CPU)."""
+    if args.device.type != "cuda":
+        for _ in range(args.warmup):
+            call()
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(args.inner):
+            call()
+    for _ in range(args.warmup):
+        graph.replay()
+    times = []
+    for _ in range(args.repeats):
+        start = _now(args.device)
+        graph.replay()
+        times.append(_since(args.device, start) * 1e3 / args.inner)
+    return statistics.median(times)
+
+
+def bench_case(args, mode: str, batch: int, ctx: int, copy: float) -> list[dict]:
+    tq = MODES[mode]
+    q, k_pool, v_pool, meta = make_case(args, batch, ctx, tq)
+    scale = args.head_dim ** -0.5
+    ref = paged_attention_reference(q, k_pool, v_pool, meta, scale)  # also builds meta.mask once
+    calls = {"reference": lambda: paged_attention_reference(q, k_pool, v_pool, meta, scale)}
+    max_err = None
+    if "kernel" in args.impls:
+        from torchspec.runtime.paged_attention_triton import paged_attention_triton
+
+        calls["kernel"] = lambda: paged_attention_triton(q, k_pool, v_pool, meta, scale)
+        max_err = (calls["kernel"]().float() - ref.float()).abs().max().item()
+    needed = batch * args.kv_heads * (ctx + tq) * args.head_dim * 2 * k_pool.element_size()
+    mask_ms = time_ms(args, lambda: build_attention_meta(meta.block_table, meta.ctx_len, meta.tree_mask,
+                                                         meta.page_size).mask)
+    rows = []
+    for impl in args.impls:
+        ms = time_ms(args, calls[impl])
+        gbps = needed / (ms * 1e-3) / 1e9
+        rows.append(dict(mode=mode, tq=tq, batch=batch, ctx=ctx, impl=impl, ms=ms, kv_gbps=gbps,
+                         of_copy=gbps / copy, mask_ms=mask_ms if impl == "reference" else 0.0,
+                         max_err=max_err))
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| mode | Tq | batch | ctx | impl | ms | KV GB/s | of copy | mask ms | max err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "skipped" in r:
+            print(f"| {r['mode']} | {r['tq']} | {r['batch']} | {r['ctx']} | {r['impl']} | {r['skipped']} |")
+            continue
+        err = "" if r["max_err"] is None else f"{r['max_err']:.1e}"
+        print(f"| {r['mode']} | {r['tq']} | {r['batch']} | {r['ctx']} | {r['impl']} | {r['ms']:.4f} | "
+              f"{r['kv_gbps']:.0f} | {r['of_copy']:.2f} | {r['mask_ms']:.4f} | {err} |")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    copy = copy_gbps(args.device, (2 << 30) if args.device.type == "cuda" else (64 << 20))
+    print(f"device {torch.cuda.get_device_name() if args.device.type == 'cuda' else platform.processor() or 'cpu'}; "
+          f"copy {copy:.0f} GB/s (read + write); impls {args.impls}")
+    rows = []
+    for mode in args.modes:
+        for batch in args.batches:
+            for ctx in args.contexts:
+                ctx = min(ctx, args.max_context - MODES[mode])  # the round's tokens must fit the table
+                try:
+                    rows += bench_case(args, mode, batch, ctx, copy)
+                except torch.OutOfMemoryError:
+                    rows += [dict(mode=mode, tq=MODES[mode], batch=batch, ctx=ctx, impl=impl, skipped="out of memory")
+                             for impl in args.impls]
+                if args.device.type == "cuda":
+                    torch.cuda.empty_cache()  # the case's pools are gone: give the next one room
+    print_table(rows)
+    if args.json:
+        meta = dict(device=str(args.device), torch=torch.__version__, copy_gbps=copy, heads=args.heads,
+                    kv_heads=args.kv_heads, head_dim=args.head_dim, page_size=args.page_size,
+                    max_context=args.max_context, dtype=str(args.dtype).removeprefix("torch."),
+                    gpu=torch.cuda.get_device_name() if args.device.type == "cuda" else None)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"setup": meta, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
