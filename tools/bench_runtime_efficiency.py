@@ -48,7 +48,7 @@ def hf_config(shape: str):
 
 @torch.no_grad()
 def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed: int, device: str = "cuda",
-                 tp_group=None):
+                 tp_group=None, fuse: bool = True):
     from torchspec.config import DrafterConfig
     from torchspec.models import build_drafter
     from torchspec.runtime.drafter_runner import DrafterRunner
@@ -74,7 +74,8 @@ def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed:
     drafter.layer.self_attn.o_proj.weight.mul_(mix * 5)
     drafter.layer.mlp.down_proj.weight.mul_(mix * 5)
     runner = DrafterRunner(drafter.to(dtype).eval(), cfg.vocab_size)
-    return SpeculativeEngine(decoder, runner, None, max_batch=max_batch, max_context=max_context, page_size=16)
+    return SpeculativeEngine(decoder, runner, None, max_batch=max_batch, max_context=max_context, page_size=16,
+                             fuse=fuse)
 
 
 @torch.no_grad()

@@ -34,12 +34,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--max-context", type=int, default=2048)
-    p.add_argument("--fuse", action="store_true", help="fuse q|k|v and gate|up first")
+    p.add_argument("--fuse", action="store_true", help="serve the fused decoder (TargetDecoder.fuse_for_serving)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    engine = build_engine(args.shape, 0.1, args.batch, args.max_context, 0, "cuda")
-    if args.fuse and hasattr(engine.decoder, "fuse_projections"):
-        engine.decoder.fuse_projections()
+    engine = build_engine(args.shape, 0.1, args.batch, args.max_context, 0, "cuda", fuse=args.fuse)
     b = args.batch
     prompts = torch.randint(0, engine.decoder.vocab_size, (b, args.ctx)).tolist()
     engine.generate(prompts, max_new_tokens=4, ignore_eos=True)  # warm-up, graphs captured
