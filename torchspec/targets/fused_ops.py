@@ -16,25 +16,43 @@ training capture and the CPU never compile anything.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
 
+log = logging.getLogger(__name__)
 _COMPILE_OPTIONS = {"emulate_precision_casts": True}
+# One compiled function serves every module instance: each (dtype, rank, eps) it meets is one more
+# specialisation, so a process serving several models needs more than dynamo's default of 8.
+RECOMPILE_LIMIT = 64
 
 
 def fused(fn: Callable) -> Callable:
-    """``fn`` compiled for CUDA inputs (lazily, once, dynamic shapes); ``fn`` itself for anything else."""
+    """``fn`` compiled for CUDA inputs (lazily, dynamic shapes); ``fn`` itself for anything else, and
+    for good (with one warning) if compiling ever fails: fusion is an optimisation, never a failure."""
     compiled = None
+    failed = False
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        nonlocal compiled
-        if not args[0].is_cuda:
+        nonlocal compiled, failed
+        if failed or not args[0].is_cuda:
             return fn(*args, **kwargs)
         if compiled is None:
+            import torch._dynamo.config as dynamo_config
+
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
+                                                            4 * RECOMPILE_LIMIT)
             compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=_COMPILE_OPTIONS)
-        return compiled(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any compile failure: run this chain eagerly from now on
+            log.warning("fusing %s failed (%s: %s); running it eagerly.", fn.__name__, type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
+            failed = True
+            return fn(*args, **kwargs)
 
     return call
 
