@@ -32,7 +32,7 @@ def build_pair(root, tokenizer=None, *, flavour: str = "llama", vocab_size: int 
                                    initializer_range=initializer_range)
     weights = load_file(f"{target_dir}/model.safetensors")
     for name in weights:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight", "linear_attn.out_proj.weight")):  # + GDN outputs
             weights[name] = weights[name] * mix
     save_file(weights, f"{target_dir}/model.safetensors", metadata={"format": "pt"})
 
