@@ -110,6 +110,56 @@ def plot_drafter_step(src: Path, out: Path) -> None:
     plt.close(fig)
 
 
+def _kernel_kind(name: str) -> str:
+    if name.startswith(("nvjet", "cublasLt::splitKreduce", "sm90_", "ampere_")):
+        return "GEMM"
+    if "attention" in name or name.startswith("_combine"):
+        return "attention"
+    if name.startswith("triton_"):
+        return "fused elementwise"
+    return "other elementwise / copies"
+
+
+def plot_serving(attention: Path, unfused: Path, fused: Path, out: Path) -> None:
+    """Left: paged decode attention time vs context (kernel vs gather). Right: a plain decode step's
+    kernel time by kind, unfused vs fused, against the step's HBM floor."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    rows = json.loads(attention.read_text())["rows"]
+    colors = {1: "tab:blue", 8: "tab:orange", 64: "tab:green"}
+    for b, color in colors.items():
+        for impl, style in (("kernel", "-o"), ("reference", ":x")):
+            pts = sorted((r["ctx"], r["ms"]) for r in rows if r["mode"] == "decode" and r["batch"] == b
+                         and r["impl"] == impl)
+            if pts:
+                axes[0].plot(*zip(*pts), style, color=color, label=f"batch {b}, {impl}")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("context (tokens; block table sized for 32K)")
+    axes[0].set_ylabel("ms per layer call")
+    axes[0].set_title("decode attention over the paged KV (Qwen3-8B heads)")
+    axes[0].legend(fontsize=7)
+    kinds = ["GEMM", "attention", "fused elementwise", "other elementwise / copies"]
+    bottoms = [0.0, 0.0]
+    for kind in kinds:
+        vals = []
+        for src in (unfused, fused):
+            d = json.loads(src.read_text())
+            vals.append(sum(t["ms"] for t in d["top"] if _kernel_kind(t["name"]) == kind))
+        axes[1].bar([0, 1], vals, 0.5, bottom=bottoms, label=kind)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    steps = [json.loads(src.read_text()) for src in (unfused, fused)]
+    axes[1].scatter([0, 1], [s["graph_ms"] for s in steps], marker="_", s=900, color="k", label="graphed step")
+    axes[1].axhline(steps[0]["floor_ms"], color="tab:red", ls="--", lw=1, label="HBM floor (weights + KV)")
+    axes[1].set_xticks([0, 1], [f"unfused\n{steps[0]['kernels']:.0f} kernels", f"fused\n{steps[1]['kernels']:.0f} kernels"])
+    axes[1].set_ylabel("ms per plain decode step")
+    axes[1].set_title("Qwen3-8B shape, batch 1, ctx 512 (top kernels)")
+    axes[1].legend(fontsize=7, loc="center right")
+    fig.suptitle("serving on one H200, bf16")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     bench, img = ROOT / "docs" / "bench", ROOT / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -117,7 +167,12 @@ if __name__ == "__main__":
         plot_attention(bench / "attention_h200.json", img / "attention_long_context.png")
     if (bench / "lm_head_h200.json").exists():
         plot_lm_head(bench / "lm_head_h200.json", img / "lm_head_share.png")
-    efficiency = sorted(bench.glob("runtime_efficiency*.json"))
+    serving = [bench / f for f in ("attention_paged_h200.json", "decode_step_profile_unfused_h200.json",
+                                   "decode_step_profile_fused_h200.json")]
+    if all(p.exists() for p in serving):
+        plot_serving(*serving, img / "serving_efficiency.png")
+    efficiency = [bench / "runtime_efficiency.json", bench / "runtime_efficiency_qwen3_8b_mix002.json"]
+    efficiency = [p for p in efficiency if p.exists()]
     if efficiency and (bench / "runtime_smollm2.json").exists():
         plot_runtime(efficiency, bench / "runtime_smollm2.json", img / "runtime_speedup.png")
     if (bench / "drafter_step_h200.json").exists():
