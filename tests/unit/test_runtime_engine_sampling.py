@@ -15,9 +15,13 @@ latter is needed because the first 3 tokens never see a compacted path: a round 
 drafted node already commits 2 tokens, so a later round only follows one that accepted nothing.
 Tokens 4-5 come after multi-token rounds, from KV the compaction moved.
 
+**Mixed batches** (the request API, per-request settings): greedy, T = 1 and T = 0.7 / top-p rows
+interleaved, so every round mixes them (per-row settings, sampled tree): each sampled group must
+follow its own target distribution and every greedy row must equal the greedy output.
+
 A chi-square test that passes proves little unless it is shown to have power at this size: each
 positive control runs the same engine with a plausible bug patched in (a biased per-candidate
-verification rule, or no compaction), and the same test at the same ROWS must reject it outright.
+verification rule, no compaction, or per-row settings applied to the wrong rows), and the same test at the same ROWS must reject it outright.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from tests.stats import chi2_pvalue
 from torchspec.runtime import verify
 from torchspec.runtime.drafting import SpecConfig
 from torchspec.runtime.paged_kv import PagedKVCache
-from torchspec.runtime.sampling import SamplingParams, process_logits
+from torchspec.runtime.sampling import RowSampling, SamplingParams, process_logits
 
 V = 8  # vocabulary: V^3 = 512 cells per test
 PROMPT = [1, 2, 3]
@@ -185,3 +189,64 @@ def test_positive_control_is_rejected(engine, target_joint, monkeypatch, control
     ps = pvalues(counts, target_joint(params))
     print(f"{control}: p {ps}")
     assert min(ps.values()) < 1e-6
+
+
+# --- mixed batches: rows with different settings in the same rounds ---------------------------------
+
+MIXED_PATTERN = [SamplingParams(), T1, T07, T1, T07]  # request i gets MIXED_PATTERN[i % 5]
+MIXED_CASES = {"chain": CHAIN, "sampled_tree": SAMPLED_TREE, "deterministic_tree": DETERMINISTIC_TREE}
+
+
+def rows_misaligned(mp: pytest.MonkeyPatch) -> None:
+    """Bug: the per-row settings tensor is built one row off (row b gets row b + 1's settings)."""
+    of = RowSampling.of
+    mp.setattr(RowSampling, "of", classmethod(lambda cls, params, device: of(params[1:] + params[:1], device)))
+
+
+def run_mixed(engine, spec: SpecConfig, seed: int) -> tuple[dict, list[list[int]], float]:
+    """ROWS requests of each sampled setting and ROWS / 2 greedy ones, interleaved, through the request
+    API -> ({params: counts [V] * OUT}, greedy rows' tokens, mean acceptance of the sampled rows)."""
+    engine.configure(spec=spec, seed=seed)
+    n = len(MIXED_PATTERN) * ROWS // 2
+    ids = {engine.submit(PROMPT, max_new_tokens=OUT, sampling=MIXED_PATTERN[i % 5], ignore_eos=True): i
+           for i in range(n)}
+    results = {}
+    while engine.has_work:
+        results.update((ids[r.request_id], r) for r in engine.step())
+    assert engine.free_pages == engine.total_pages
+    counts, greedy, rounds = {}, [], []
+    for i, r in sorted(results.items()):
+        params = MIXED_PATTERN[i % 5]
+        assert len(r.token_ids) == OUT
+        if params.greedy:
+            greedy.append(r.token_ids)
+            continue
+        c = counts.setdefault(params, torch.zeros([V] * OUT, dtype=torch.long))
+        c[tuple(r.token_ids)] += 1
+        rounds += r.accept_lengths
+    return counts, greedy, sum(rounds) / len(rounds)
+
+
+@pytest.fixture(scope="module")
+def greedy_tokens(engine):
+    return engine.generate([PROMPT], max_new_tokens=OUT, ignore_eos=True)[0].token_ids
+
+
+@pytest.mark.parametrize("case", list(MIXED_CASES))
+def test_mixed_batch_rows_follow_their_own_settings(engine, target_joint, greedy_tokens, case):
+    counts, greedy, acceptance = run_mixed(engine, MIXED_CASES[case], seed=200 + list(MIXED_CASES).index(case))
+    assert all(g == greedy_tokens for g in greedy) and len(greedy) == ROWS // 2
+    for params, c in counts.items():
+        assert int(c.sum()) == ROWS
+        ps = pvalues(c, target_joint(params))
+        print(f"mixed {case} {params}: p {ps}, mean acceptance {acceptance:.3f}")
+        assert min(ps.values()) > 1e-3
+    assert acceptance > 1.2
+
+
+def test_positive_control_mixed_rows_misaligned_is_rejected(engine, target_joint, monkeypatch):
+    rows_misaligned(monkeypatch)
+    counts, _, _ = run_mixed(engine, SAMPLED_TREE, seed=300)
+    ps = {str(params): pvalues(c, target_joint(params)) for params, c in counts.items()}
+    print(f"mixed rows misaligned: p {ps}")
+    assert min(min(p.values()) for p in ps.values()) < 1e-6

@@ -16,6 +16,13 @@ replacement from its processed draft distribution; the shape is fixed before any
 nodes by their sampled confidences would bias the output -- tests/unit/test_runtime_verify.py
 has that positive control). A sampled chain is branching (1, 1, ..., 1).
 
+**Mixed rounds.** The rows of a round may carry different settings (``sampling.RowSampling``). A
+round whose rows are all greedy drafts the dynamic tree as above; a round with any sampled row
+(``params.greedy`` False) drafts the sampled tree for every row (or the dynamic tree with
+deterministic candidates, ``candidates='deterministic'``). A greedy row's processed distribution is
+the point mass on the draft argmax, so each of its nodes gets one valid child (the others are
+``valid = False`` padding): a greedy chain, verified against the target's point mass, still lossless.
+
 Drafter cache layout within a round: draft nodes of depth d are written after the committed
 prefix in processing order (slot ctx + sum of earlier frontier sizes + i), each attends its
 draft ancestors and itself, and the committed prefix through the drafter's window anchored at
@@ -30,7 +37,7 @@ import torch
 
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.paged_kv import PagedKVCache, build_attention_meta
-from torchspec.runtime.sampling import SamplingParams, process_logits, sample_without_replacement
+from torchspec.runtime.sampling import RowSampling, SamplingParams, process_logits, sample_without_replacement
 from torchspec.runtime.tree import DraftTree
 
 SHAPES = ("tree", "chain")
@@ -66,16 +73,16 @@ class SpecConfig:
             if len(self.branching) < self.depth or any(b < 1 for b in self.branching):
                 raise ValueError(f"spec branching={self.branching} needs {self.depth} entries >= 1 (one per depth).")
 
-    def sampled(self, params: SamplingParams) -> bool:
+    def sampled(self, params: SamplingParams | RowSampling) -> bool:
         return not params.greedy and self.candidates != "deterministic"
 
-    def widths(self, params: SamplingParams) -> tuple[int, ...]:
+    def widths(self, params: SamplingParams | RowSampling) -> tuple[int, ...]:
         """Children per expanded node at each depth (sampled) -- the static shape of the round."""
         if self.shape == "chain":
             return (1,) * self.depth
         return tuple(self.branching[: self.depth])
 
-    def num_drafted(self, params: SamplingParams) -> int:
+    def num_drafted(self, params: SamplingParams | RowSampling) -> int:
         """Drafted nodes per round (the verify forward sees 1 + this many tokens)."""
         if self.sampled(params):
             total, level = 0, 1
@@ -85,14 +92,14 @@ class SpecConfig:
             return total
         return self.depth if self.shape == "chain" else self.num_nodes
 
-    def max_tries(self, params: SamplingParams) -> int:
+    def max_tries(self, params: SamplingParams | RowSampling) -> int:
         """Most candidates one row can try when verifying a round (bounds verify_sampling's loop)."""
         if self.sampled(params):
             return sum(self.widths(params))
         k = 1 if self.shape == "chain" else self.topk
         return min(self.depth * k, self.num_drafted(params))
 
-    def draft_slots(self, params: SamplingParams) -> int:
+    def draft_slots(self, params: SamplingParams | RowSampling) -> int:
         """Drafter cache slots a round writes beyond the committed prefix."""
         if self.sampled(params):
             total, level = 0, 1
@@ -116,7 +123,7 @@ class DraftInputs:
     row_valid: torch.Tensor  # [B] bool
 
 
-def _scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def _scores(logits: torch.Tensor, params: SamplingParams | RowSampling) -> torch.Tensor:
     """Log-probabilities that rank candidates: raw for greedy, processed (T, top-p/k) otherwise."""
     if params.greedy:
         return torch.log_softmax(logits, dim=-1)
@@ -157,7 +164,7 @@ class _DraftWriter:
 
 
 def draft_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
-                       params: SamplingParams) -> DraftTree:
+                       params: SamplingParams | RowSampling) -> DraftTree:
     """Greedy / deterministic-candidate tree (a chain when spec.shape == 'chain')."""
     k = 1 if spec.shape == "chain" else spec.topk
     depth = spec.depth
@@ -217,7 +224,7 @@ def draft_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInp
 
 
 def draft_sampled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
-                       params: SamplingParams, generator: torch.Generator) -> DraftTree:
+                       params: SamplingParams | RowSampling, generator: torch.Generator) -> DraftTree:
     """T > 0: every node of depth d - 1 draws widths[d-1] children without replacement."""
     widths = spec.widths(params)
     b = inp.root.shape[0]
@@ -265,7 +272,7 @@ def draft_sampled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInp
 
 
 def draft_round(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
-                params: SamplingParams, generator: torch.Generator) -> DraftTree:
+                params: SamplingParams | RowSampling, generator: torch.Generator) -> DraftTree:
     if spec.sampled(params):
         return draft_sampled_tree(runner, cache, inp, spec, params, generator)
     return draft_dynamic_tree(runner, cache, inp, spec, params)

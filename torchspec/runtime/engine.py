@@ -1,20 +1,30 @@
-"""``SpeculativeEngine``: a target decoder, an optional exported drafter, a paged KV cache, and ``generate``.
+"""``SpeculativeEngine``: a target decoder, an optional exported drafter, a paged KV cache, and requests.
 
-Scheduling is continuous batching over ``max_batch`` slots: a waiting prompt is prefilled into a
-free slot, all occupied slots then advance together (one speculation round, or one plain decode
-step), and a slot is freed -- its pages returned -- as soon as its sequence finishes. The host
-reads back only what a step committed (a few ints per row) once per round; all per-round tensors
-are static in shape.
+Request API: ``submit`` a prompt with its own limits and sampling settings (-> request id),
+``cancel`` it, call ``step`` until ``has_work`` is False; ``generate`` is that loop for a list of
+prompts. ``configure`` sets what the steps do: ``spec`` (None = plain decoding), the seed and the
+concurrency.
+
+One ``step`` is one scheduling iteration (``scheduler.py`` does the host bookkeeping): free the
+slots of cancelled requests, admit waiting requests into free slots (each takes its prompt's longest
+cached prefix, ``prefix_cache.py``), run ONE prefill forward (the next chunks of the prompts being
+prefilled, at most ``prefill_tokens`` padded tokens: a long prompt never stalls the running rows for
+its whole prefill), then ONE decode round over the rows past their prefill (a speculation round, or a
+plain decode step), and return the results that finished. The host reads back only what a step
+committed (a few ints per row) once per round; all per-round tensors are static in shape.
+
+The rows of a round may carry different sampling settings: a round whose rows are all greedy runs
+the greedy round (argmax verification, dynamic tree); any sampled row makes it a mixed round with
+per-row settings (``sampling.RowSampling``; sampled tree). CUDA graphs are keyed by (kind, batch
+size, spec, greedy-or-mixed) only: the per-row values are graph inputs. Sampled draws come from
+one generator per ``configure`` (seed), so a run is reproducible for a fixed seed and schedule.
 
 A hybrid target (Gated DeltaNet layers) also keeps a recurrent state per slot
-(``torchspec/runtime/recurrent_state.py``): a prompt prefilled into a slot starts from zero state
-(prefill never reads the slot's previous contents) and every step commits the state of the tokens
-it commits. Since committing is not idempotent, the first call of a CUDA graph (two warm-up runs
-and a replay, ``graphs.py``) is made with every row invalid, which commits nothing.
-
-Stop rules (identical with and without speculation, so greedy outputs are comparable token for
-token): a sequence ends after an EOS / stop token (kept in ``token_ids``), after
-``max_new_tokens`` tokens, or when its next round would not fit ``max_context`` (reason "length").
+(``torchspec/runtime/recurrent_state.py``): a prompt's first chunk starts from zero state (prefill
+never reads the slot's previous contents), later chunks continue it, and every step commits the
+state of the tokens it commits. That state is not paged, so prefix caching is off for such targets.
+Since committing is not idempotent, the first call of a CUDA graph (two warm-up runs and a replay,
+``graphs.py``) is made with every row invalid, which commits nothing.
 """
 
 from __future__ import annotations
@@ -22,8 +32,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
@@ -31,63 +39,45 @@ from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
 from torchspec.runtime.graphs import StepGraphs
 from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator, PagedKVCache
+from torchspec.runtime.prefix_cache import TARGET_ONLY, WITH_DRAFTER, PrefixCache
 from torchspec.runtime.recurrent_state import RecurrentState
-from torchspec.runtime.sampling import SamplingParams
+from torchspec.runtime.sampling import RowSampling, SamplingParams
+from torchspec.runtime.scheduler import GenerationResult, Scheduler
 from torchspec.runtime.steps import Caches, plain_step, prefill, speculate
 from torchspec.targets import TargetDecoder
 
-
-@dataclass
-class GenerationResult:
-    prompt_len: int
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per decode round
-    text: str | None = None
-    prefill_s: float = 0.0
-    decode_s: float = 0.0  # wall time of the rounds this sequence took part in
-
-    @property
-    def mean_acceptance(self) -> float:
-        return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
-
-    def to_dict(self) -> dict:
-        return {"prompt_len": self.prompt_len, "token_ids": self.token_ids, "text": self.text,
-                "finish_reason": self.finish_reason, "accept_lengths": self.accept_lengths,
-                "mean_acceptance": self.mean_acceptance, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
-
-
-@dataclass
-class _Slot:
-    index: int  # request index
-    result: GenerationResult
-    pages: list[int]
-    ctx: int  # tokens in the KV cache
+GREEDY = SamplingParams()
 
 
 class SpeculativeEngine:
     def __init__(self, decoder: TargetDecoder, runner: DrafterRunner | None = None, tokenizer=None, *,
                  max_batch: int = 8, max_context: int = 2048, page_size: int = 16, num_pages: int | None = None,
-                 cuda_graphs: bool | None = None, prefill_tokens: int = 16384, fuse: bool = True):
+                 cuda_graphs: bool | None = None, prefill_tokens: int = 16384, fuse: bool = True,
+                 prefix_cache: bool = True):
         """``fuse``: serve with `TargetDecoder.fuse_for_serving` (one GEMM for q|k|v and for gate|up,
-        elementwise chains compiled to one kernel each on CUDA); it changes the decoder in place."""
-        if max_batch < 1 or max_context < 2 or page_size < 1:
-            raise ValueError(f"SpeculativeEngine: max_batch={max_batch} >= 1, max_context={max_context} >= 2 and "
-                             f"page_size={page_size} >= 1 are required.")
+        elementwise chains compiled to one kernel each on CUDA); it changes the decoder in place.
+        ``prefill_tokens``: padded tokens per prefill forward (longer prompts are prefilled in chunks).
+        ``prefix_cache``: share full prompt pages between requests (always off for hybrid targets)."""
+        if max_batch < 1 or max_context < 2 or page_size < 1 or prefill_tokens < 1:
+            raise ValueError(f"SpeculativeEngine: max_batch={max_batch} >= 1, max_context={max_context} >= 2, "
+                             f"page_size={page_size} >= 1 and prefill_tokens={prefill_tokens} >= 1 are required.")
         if fuse:
             decoder.fuse_for_serving()
         self.decoder, self.runner, self.tokenizer = decoder, runner, tokenizer
         self.max_batch, self.max_context, self.page_size = max_batch, max_context, page_size
-        self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward
+        self.prefill_tokens = prefill_tokens
         self.pages_per_row = math.ceil(max_context / page_size)
         num_pages = num_pages or max_batch * self.pages_per_row + 1
-        self.allocator = PageAllocator(num_pages)
         dev = decoder.embed_tokens_weight.device
         self.device = dev
         drafter_cache = runner.make_kv_cache(num_pages, page_size) if runner is not None else None
         self.caches = Caches(PagedKVCache.for_target(decoder, num_pages, page_size), drafter_cache, page_size,
                              RecurrentState.for_target(decoder, max_batch))
+        self.prefix_cache = PrefixCache(page_size) if prefix_cache and self.caches.recurrent is None else None
+        self.allocator = PageAllocator(num_pages, self.prefix_cache.evict if self.prefix_cache else None)
         self.block_table = torch.full((max_batch, self.pages_per_row), TRASH_PAGE, dtype=torch.long, device=dev)
+        self.scheduler = Scheduler(max_batch, page_size, self.block_table, self.allocator, self.prefix_cache,
+                                   prefill_tokens)
         self.root = torch.zeros(max_batch, dtype=torch.long, device=dev)
         if runner is not None:
             self.normed = torch.zeros(max_batch, runner.hidden_size, dtype=runner.dtype, device=dev)
@@ -99,34 +89,100 @@ class SpeculativeEngine:
             raise ValueError("cuda_graphs=True needs the engine on a CUDA device.")
         self.graphs = StepGraphs() if cuda_graphs else None
         self._graph_keys: set = set()  # keys whose graph has been made (hybrid targets: see the docstring)
+        self.configure()
 
-    # --- bookkeeping ---------------------------------------------------------------------------
+    # --- request API ------------------------------------------------------------------------------
 
-    def _ensure_pages(self, slot_id: int, slot: _Slot, length: int) -> None:
-        need = math.ceil(length / self.page_size) - len(slot.pages)
-        if need > 0:
-            new = self.allocator.alloc(need)
-            start = len(slot.pages)
-            slot.pages.extend(new)
-            self.block_table[slot_id, start:start + need] = torch.tensor(new, dtype=torch.long)
+    def configure(self, *, spec: SpecConfig | None = None, seed: int = 0, concurrency: int | None = None) -> None:
+        """What the following steps do: ``spec`` (None = plain decoding), the RNG seed of sampled
+        draws, at most ``concurrency`` (default ``max_batch``) requests running at once. Only between
+        requests: refused while any is in flight."""
+        if self.scheduler.has_work:
+            raise ValueError("configure: requests are in flight; finish or cancel them first.")
+        concurrency = concurrency or self.max_batch
+        if not 1 <= concurrency <= self.max_batch:
+            raise ValueError(f"concurrency={concurrency} must lie in [1, max_batch={self.max_batch}].")
+        if spec is not None:
+            if self.runner is None:
+                raise ValueError("speculation needs a drafter: build the SpeculativeEngine with one, or pass spec=None.")
+            spec.validate()
+        self.spec = spec
+        self.scheduler.concurrency = concurrency
+        # pages written by plain decoding hold no drafter entries: they are cached apart
+        self.scheduler.cache_root = WITH_DRAFTER if spec is not None else TARGET_ONLY
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        if self.graphs is not None:  # graphed steps draw from the default CUDA generator
+            torch.cuda.manual_seed(seed)
 
-    def _release(self, slot_id: int, slot: _Slot) -> None:
-        self.allocator.free(slot.pages)
-        slot.pages = []
-        self.block_table[slot_id] = TRASH_PAGE
+    def submit(self, prompt_ids: list[int] | str, *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+               stop_token_ids=(), ignore_eos: bool = False) -> int:
+        """Queue a request; returns its id. It stops after an EOS (unless ``ignore_eos``) or one of
+        ``stop_token_ids``, after ``max_new_tokens`` tokens, or at the context limit."""
+        sampling = sampling or GREEDY
+        prompt = self._encode([prompt_ids])[0]
+        self.check_request([prompt], max_new_tokens, sampling, self.spec)
+        stop = frozenset(stop_token_ids) | (frozenset() if ignore_eos else frozenset(self.eos_token_ids))
+        return self.scheduler.submit(prompt, max_new_tokens, sampling, stop)
 
-    def _commit(self, slot: _Slot, tokens: list[int], max_new: int, stop: set[int]) -> None:
-        res = slot.result
-        for tok in tokens:
-            res.token_ids.append(tok)
-            if tok in stop:
-                res.finish_reason = "stop"
-                return
-            if len(res.token_ids) >= max_new:
-                res.finish_reason = "length"
-                return
+    def cancel(self, request_id: int) -> bool:
+        """Cancel a request: a waiting one at once, a running one at the next scheduling point (its
+        slot and pages are freed then). Its result, with the tokens so far and ``finish_reason =
+        "cancelled"``, comes out of a following ``step``. Returns False, doing nothing, for a request
+        that has finished (or was cancelled) already; raises ValueError for an id never issued."""
+        return self.scheduler.cancel(request_id)
 
-    # --- API -------------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        """Requests waiting or running, or results not yet returned by ``step``."""
+        return self.scheduler.has_work
+
+    @torch.no_grad()
+    def step(self) -> list[GenerationResult]:
+        """One scheduling iteration (module docstring); returns the results finished in it."""
+        sch = self.scheduler
+        done = sch.drain()
+        sch.admit()
+        plan = sch.plan_prefill()
+        if plan:
+            self._prefill(plan)
+        rows = [i for i, s in enumerate(sch.slots) if s is not None and not s.prefilling and not s.finished]
+        while rows:  # rows whose next round would not fit end now; the round's kind follows the rest
+            greedy = all(sch.slots[i].request.sampling.greedy for i in rows)
+            left = sch.finish_out_of_context(rows, self._per_round(greedy), self.max_context)
+            if left == rows:
+                break
+            rows = left
+        if rows:
+            self._round(rows, greedy)
+        return self._finish(done + sch.retire())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]] | list[str], *, max_new_tokens: int = 128,
+                 sampling: SamplingParams | None = None, spec: SpecConfig | None = None, seed: int = 0,
+                 stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
+                 concurrency: int | None = None) -> list[GenerationResult]:
+        """Generate for every prompt (token id lists, or strings if the engine has a tokenizer), all
+        with the same settings: ``configure``, ``submit`` each, ``step`` until done.
+
+        ``spec=None`` decodes plainly (one target forward per token); otherwise each round drafts
+        and verifies per ``spec``. At most ``concurrency`` (default ``max_batch``) sequences run
+        at once. Results come back in prompt order. Needs an idle engine.
+        """
+        sampling = sampling or GREEDY
+        prompts = self._encode(prompts)
+        self.check_request(prompts, max_new_tokens, sampling, spec)
+        self.configure(spec=spec, seed=seed, concurrency=concurrency)
+        ids = [self.submit(p, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids or (),
+                           ignore_eos=ignore_eos) for p in prompts]
+        results: dict[int, GenerationResult] = {}
+        try:
+            while self.has_work:
+                results.update((r.request_id, r) for r in self.step())
+        except BaseException:
+            self.scheduler.abort()
+            raise
+        return [results[i] for i in ids]
 
     def check_request(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
                       spec: SpecConfig | None) -> None:
@@ -147,96 +203,49 @@ class SpeculativeEngine:
             if bad:
                 raise ValueError(f"prompt {i} holds token ids outside [0, {self.decoder.vocab_size}): {bad[:5]}.")
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]] | list[str], *, max_new_tokens: int = 128,
-                 sampling: SamplingParams | None = None, spec: SpecConfig | None = None, seed: int = 0,
-                 stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
-                 concurrency: int | None = None) -> list[GenerationResult]:
-        """Generate for every prompt (token id lists, or strings if the engine has a tokenizer).
+    # --- steps ------------------------------------------------------------------------------------
 
-        ``spec=None`` decodes plainly (one target forward per token); otherwise each round drafts
-        and verifies per ``spec``. At most ``concurrency`` (default ``max_batch``) sequences run
-        at once. Results come back in prompt order.
-        """
-        concurrency = concurrency or self.max_batch
-        if not 1 <= concurrency <= self.max_batch:
-            raise ValueError(f"concurrency={concurrency} must lie in [1, max_batch={self.max_batch}].")
-        sampling = sampling or SamplingParams()
-        if prompts and isinstance(prompts[0], str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a SpeculativeEngine built with a tokenizer; pass token ids instead.")
-            prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        self.check_request(prompts, max_new_tokens, sampling, spec)
-        stop = set() if ignore_eos else set(self.eos_token_ids)
-        stop |= set(stop_token_ids or ())
-        results = [GenerationResult(prompt_len=len(p)) for p in prompts]
-        if max_new_tokens == 0:
-            for r in results:
-                r.finish_reason = "length"
-            return self._finish(results)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed)
-        if self.graphs is not None:  # graphed steps draw from the default CUDA generator
-            torch.cuda.manual_seed(seed)
-        runner = self.runner if spec is not None else None
-        per_round = 1  # KV positions a round may write beyond a row's committed prefix
-        if spec is not None:
-            per_round = max(1 + spec.num_drafted(sampling), spec.draft_slots(sampling), spec.depth + 1)
-        waiting = deque(range(len(prompts)))
-        slots: list[_Slot | None] = [None] * concurrency
-        try:
-            while waiting or any(s is not None for s in slots):
-                free = [i for i in range(concurrency) if slots[i] is None]
-                if free and waiting:  # fill free slots: one batched prefill
-                    admitted = [(slot_id, waiting.popleft()) for slot_id in free[: len(waiting)]]
-                    self._admit(admitted, slots, prompts, results, runner, sampling, generator, max_new_tokens,
-                                stop)
-                    for slot_id, _ in admitted:
-                        self._retire_if_done(slot_id, slots, per_round)
-                active = [i for i, s in enumerate(slots) if s is not None]
-                if not active:
-                    continue
-                for i in active:
-                    self._ensure_pages(i, slots[i], slots[i].ctx + per_round)
-                self._round(active, slots, runner, spec, sampling, generator, max_new_tokens, stop)
-                for i in active:
-                    self._retire_if_done(i, slots, per_round)
-        finally:
-            for i, s in enumerate(slots):
-                if s is not None:
-                    self._release(i, s)
-        return self._finish(results)
+    def _per_round(self, greedy: bool) -> int:
+        """KV positions a round may write beyond a row's committed prefix."""
+        if self.spec is None:
+            return 1
+        params = GREEDY if greedy else SamplingParams(temperature=1.0)
+        spec = self.spec
+        return max(1 + spec.num_drafted(params), spec.draft_slots(params), spec.depth + 1)
 
-    def _admit(self, admitted, slots, prompts, results, runner, sampling, generator, max_new, stop) -> None:
-        """Prefill the prompts of ``admitted`` [(slot_id, request index)] together, in chunks of
-        at most ``prefill_tokens`` padded tokens."""
+    def _sampling(self, rows: list[int], active: list[int], greedy: bool) -> SamplingParams | RowSampling:
+        if greedy:
+            return GREEDY
+        slots, chosen = self.scheduler.slots, set(rows)
+        return RowSampling.of([slots[i].request.sampling if i in chosen else GREEDY for i in active], self.device)
+
+    def _prefill(self, plan: list[tuple[int, int]]) -> None:
+        """One prefill forward: the next chunk of each planned slot's prompt [(slot, length)]."""
         t0 = time.perf_counter()
-        chunk: list = []
-        for pair in sorted(admitted, key=lambda x: len(prompts[x[1]])):  # ascending: the newest is the longest
-            if chunk and len(prompts[pair[1]]) * (len(chunk) + 1) > self.prefill_tokens:
-                self._prefill_chunk(chunk, slots, prompts, results, runner, sampling, generator, max_new, stop)
-                chunk = []
-            chunk.append(pair)
-        self._prefill_chunk(chunk, slots, prompts, results, runner, sampling, generator, max_new, stop)
+        sch, slots = self.scheduler, self.scheduler.slots
+        ids = torch.zeros(len(plan), max(n for _, n in plan), dtype=torch.long)
+        follow = []
+        for row, (i, n) in enumerate(plan):
+            s, prompt = slots[i], slots[i].request.prompt
+            ids[row, :n] = torch.tensor(prompt[s.ctx:s.ctx + n])
+            follow.append(prompt[s.ctx + n] if s.ctx + n < len(prompt) else -1)
+            sch.ensure_pages(i, s.ctx + n)
+        rows = [i for i, _ in plan]
+        greedy = all(slots[i].request.sampling.greedy for i in rows)
+        index = torch.tensor(rows, dtype=torch.long).to(self.device)
+        as_dev = lambda x: torch.tensor(x, dtype=torch.long).to(self.device)  # noqa: E731
+        out = prefill(self.decoder, self.runner if self.spec is not None else None, self.caches,
+                      self.block_table[index], ids.to(self.device), as_dev([n for _, n in plan]),
+                      self._sampling(rows, rows, greedy), self.generator, slots=index,
+                      ctx=as_dev([slots[i].ctx for i in rows]), next_tokens=as_dev(follow))
+        self._store(index, out)
+        first = out.root.tolist()
         dt = time.perf_counter() - t0
-        for slot_id, _ in admitted:
-            if slots[slot_id] is not None:
-                slots[slot_id].result.prefill_s = dt / len(admitted)
-
-    def _prefill_chunk(self, chunk, slots, prompts, results, runner, sampling, generator, max_new, stop) -> None:
-        lengths = [len(prompts[i]) for _, i in chunk]
-        width = max(lengths)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        for row, (slot_id, index) in enumerate(chunk):
-            ids[row, : lengths[row]] = torch.tensor(prompts[index])
-            slots[slot_id] = _Slot(index=index, result=results[index], pages=[], ctx=lengths[row])
-            self._ensure_pages(slot_id, slots[slot_id], lengths[row])
-        rows = torch.tensor([slot_id for slot_id, _ in chunk], dtype=torch.long).to(self.device)
-        out = prefill(self.decoder, runner, self.caches, self.block_table[rows], ids.to(self.device),
-                      torch.tensor(lengths).to(self.device), sampling, generator, slots=rows)
-        self._store(rows, out)
-        for (slot_id, _), first in zip(chunk, out.root.tolist()):
-            self._commit(slots[slot_id], [first], max_new, stop)
+        for (i, n), tok, nxt in zip(plan, first, follow):
+            sch.prefilled(i, n)
+            slots[i].request.result.prefill_s += dt / len(plan)
+            if nxt < 0:  # the prompt's last chunk: its first token
+                sch.commit(i, [tok])
 
     def _store(self, rows: torch.Tensor, out) -> None:
         self.root[rows] = out.root
@@ -244,43 +253,43 @@ class SpeculativeEngine:
             self.normed[rows] = out.normed.to(self.normed.dtype)
             self.feedback[rows] = out.feedback.to(self.feedback.dtype)
 
-    def _round(self, active, slots, runner, spec, sampling, generator, max_new, stop) -> None:
+    def _round(self, rows: list[int], greedy: bool) -> None:
+        """One decode round (speculation, or a plain step) over ``rows``; with CUDA graphs every slot
+        runs, the others as invalid rows, so one static shape serves all rounds."""
         t0 = time.perf_counter()
-        if self.graphs is not None:  # every slot, empty ones as invalid rows: one static shape
-            active_all = list(range(len(slots)))
-            valid = torch.tensor([s is not None for s in slots], dtype=torch.bool).to(self.device)
+        slots, spec = self.scheduler.slots, self.spec
+        active = list(range(self.scheduler.concurrency)) if self.graphs is not None else rows
+        chosen = set(rows)
+        for i in rows:
+            self.scheduler.ensure_pages(i, slots[i].ctx + self._per_round(greedy))
+        valid = torch.tensor([i in chosen for i in active], dtype=torch.bool).to(self.device)
+        index = torch.tensor(active, dtype=torch.long).to(self.device)
+        ctx = torch.tensor([slots[i].ctx if i in chosen else 0 for i in active], dtype=torch.long).to(self.device)
+        bt = self.block_table[index]
+        params = self._sampling(rows, active, greedy)
+        generator = self.generator if self.graphs is None else None
+        if spec is None:
+            def step(bt, ctx, root, valid, slots, params):
+                return plain_step(self.decoder, self.caches, bt, ctx, root, valid, params, generator, slots=slots)
+            args = {"bt": bt, "ctx": ctx, "root": self.root[index], "valid": valid, "slots": index, "params": params}
         else:
-            active_all = active
-            valid = torch.ones(len(active), dtype=torch.bool, device=self.device)
-        rows = torch.tensor(active_all, dtype=torch.long).to(self.device)
-        ctx = torch.tensor([slots[i].ctx if slots[i] is not None else 0 for i in active_all],
-                           dtype=torch.long).to(self.device)
-        bt = self.block_table[rows]
-        if runner is None:
-            def step(bt, ctx, root, valid, slots):
-                return plain_step(self.decoder, self.caches, bt, ctx, root, valid, sampling,
-                                  generator if self.graphs is None else None, slots=slots)
-            args = {"bt": bt, "ctx": ctx, "root": self.root[rows], "valid": valid, "slots": rows}
-            key = ("plain", len(active_all), sampling)
-        else:
-            def step(inp, slots):
-                return speculate(self.decoder, runner, self.caches, inp, spec, sampling,
-                                 generator if self.graphs is None else None, slots=slots)
-            args = {"inp": DraftInputs(root=self.root[rows], normed=self.normed[rows], feedback=self.feedback[rows],
-                                       ctx_len=ctx, block_table=bt, row_valid=valid), "slots": rows}
-            key = ("spec", len(active_all), spec, sampling)
+            def step(inp, slots, params):
+                return speculate(self.decoder, self.runner, self.caches, inp, spec, params, generator, slots=slots)
+            args = {"inp": DraftInputs(root=self.root[index], normed=self.normed[index],
+                                       feedback=self.feedback[index], ctx_len=ctx, block_table=bt, row_valid=valid),
+                    "slots": index, "params": params}
+        key = ("plain" if spec is None else "spec", len(active), spec, "greedy" if greedy else "mixed")
         out = step(**args) if self.graphs is None else self._run_graph(key, step, args)
-        self._store(rows, out)
+        self._store(index, out)
         tokens, counts = out.tokens.tolist(), out.count.tolist()  # the round's one host sync
         dt = time.perf_counter() - t0
-        for j, i in enumerate(active_all):
-            slot = slots[i]
-            if slot is None:
+        for j, i in enumerate(active):
+            if i not in chosen:
                 continue
-            slot.ctx += counts[j]
-            slot.result.accept_lengths.append(counts[j])
-            slot.result.decode_s += dt
-            self._commit(slot, tokens[j][: counts[j]], max_new, stop)
+            slots[i].ctx += counts[j]
+            slots[i].request.result.accept_lengths.append(counts[j])
+            slots[i].request.result.decode_s += dt
+            self.scheduler.commit(i, tokens[j][: counts[j]])
 
     def _run_graph(self, key, step, args: dict):
         """``graphs.run``; a hybrid target's first call of ``key`` runs with every row invalid first,
@@ -297,17 +306,14 @@ class SpeculativeEngine:
         self._graph_keys.add(key)
         return self.graphs.run(key, step, args)
 
-    def _retire_if_done(self, slot_id: int, slots: list, per_round: int) -> None:
-        slot = slots[slot_id]
-        if slot is None:
-            return
-        # the next round writes KV positions ctx .. ctx + per_round - 1 and may commit up to
-        # per_round tokens beyond them: stop while prompt + generated still fits max_context
-        if not slot.result.finish_reason and slot.ctx + per_round >= self.max_context:
-            slot.result.finish_reason = "length"
-        if slot.result.finish_reason:
-            self._release(slot_id, slot)
-            slots[slot_id] = None
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _encode(self, prompts: list) -> list[list[int]]:
+        if prompts and isinstance(prompts[0], str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a SpeculativeEngine built with a tokenizer; pass token ids instead.")
+            return [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return [list(p) for p in prompts]
 
     def _finish(self, results: list[GenerationResult]) -> list[GenerationResult]:
         if self.tokenizer is not None:
@@ -317,8 +323,13 @@ class SpeculativeEngine:
 
     @property
     def free_pages(self) -> int:
-        return self.allocator.free_pages
+        """Pages a request could get now: free, or cached by the prefix cache but held by no sequence."""
+        idle = self.prefix_cache.idle_pages if self.prefix_cache is not None else 0
+        return self.allocator.free_pages + idle
 
     @property
     def total_pages(self) -> int:
         return self.allocator.capacity
+
+
+__all__ = ["GenerationResult", "SpeculativeEngine"]

@@ -48,7 +48,10 @@ def _optional_tokenizer(path: str):
 
 def load_engine(target: str, drafter: str | None = None, *, device: str | torch.device | None = None,
                 dtype: str | torch.dtype = "auto", tp_group=None, max_batch: int = 8, max_context: int = 2048,
-                page_size: int = 16, num_pages: int | None = None, cache_dir: str = DEFAULT_CACHE_DIR) -> SpeculativeEngine:
+                page_size: int = 16, num_pages: int | None = None, cache_dir: str = DEFAULT_CACHE_DIR,
+                **engine_options) -> SpeculativeEngine:
+    """Target (dir | .gguf | alias) + optional drafter export -> a `SpeculativeEngine`; ``engine_options``
+    go to it unchanged (``prefix_cache``, ``prefill_tokens``, ``cuda_graphs``, ``fuse``)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, device)
     path = resolve_target_path(target, os.path.expanduser(cache_dir))
@@ -66,4 +69,4 @@ def load_engine(target: str, drafter: str | None = None, *, device: str | torch.
             raise ValueError(f"drafter {drafter!r} reads target layers {aux}; the target has {decoder.num_layers}.")
         runner = DrafterRunner(model.to(device), decoder.vocab_size)
     return SpeculativeEngine(decoder, runner, tokenizer, max_batch=max_batch, max_context=max_context, page_size=page_size,
-                  num_pages=num_pages)
+                             num_pages=num_pages, **engine_options)

@@ -31,6 +31,7 @@ equals the pool size minus the trash page (a test checks no page leaks).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +43,16 @@ TRASH_PAGE = 0
 
 
 class PageAllocator:
-    """Host-side free list over pages 1..num_pages-1 (page 0 is the trash page)."""
+    """Host-side free list over pages 1..num_pages-1 (page 0 is the trash page).
 
-    def __init__(self, num_pages: int):
+    ``reclaim(n)`` (optional; the engine's prefix cache, ``prefix_cache.PrefixCache.evict``) is asked
+    for up to n pages it can give back before ``alloc`` reports the pool out of pages."""
+
+    def __init__(self, num_pages: int, reclaim: Callable[[int], list[int]] | None = None):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages}: the pool needs the trash page plus at least one page.")
         self.num_pages = num_pages
+        self.reclaim = reclaim
         self._free = list(range(num_pages - 1, 0, -1))
 
     @property
@@ -59,12 +64,13 @@ class PageAllocator:
         return self.num_pages - 1
 
     def alloc(self, n: int) -> list[int]:
+        if n > len(self._free) and self.reclaim is not None:
+            self.free(self.reclaim(n - len(self._free)))
         if n > len(self._free):
             raise MemoryError(
                 f"KV cache out of pages: {n} needed, {len(self._free)} free of {self.capacity}; raise "
                 f"num_pages (or lower max_batch / max_context).")
-        out = [self._free.pop() for _ in range(n)]
-        return out
+        return [self._free.pop() for _ in range(n)]
 
     def free(self, pages: list[int]) -> None:
         if any(p == TRASH_PAGE for p in pages):

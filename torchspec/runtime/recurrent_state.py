@@ -12,10 +12,12 @@ The committed state of a slot always covers exactly the tokens in its KV cache (
 forward gets a ``RecurrentMeta`` (built once, like ``paged_kv.build_attention_meta``) and a
 ``RecurrentStep`` that implements ``conv`` / ``delta_rule`` for it, in one of three modes:
 
-* **prefill** (``lengths``): right-padded rows from zero state. The convolution runs over the row
-  with zero history; the delta rule runs chunked (`gdn_ops.delta_rule`) with g = 0, beta = 0 on
-  padding, which leaves S exactly unchanged there, so the final state is the last real token's. The
-  committed conv history is the last K - 1 real inputs. Committed at once.
+* **prefill** (``lengths``): right-padded rows, from zero state or, for rows with ``resume`` (a
+  chunk of a prompt whose earlier part is committed), from the slot's committed state. The
+  convolution runs over the row after its history (zeros or the committed one); the delta rule runs
+  chunked (`gdn_ops.delta_rule`, ``initial_state``) with g = 0, beta = 0 on padding, which leaves S
+  exactly unchanged there, so the final state is the last real token's. The committed conv history
+  is the last K - 1 inputs up to the last real one. Committed at once.
 * **decode** (neither): T = 1, one `gdn_ops.delta_rule_step` from the committed state, committed at
   once (rows with ``row_valid = False`` keep theirs).
 * **tree** (``parents``, ``depths``): T = N draft-tree nodes in topological order, node 0 the root,
@@ -95,6 +97,7 @@ class RecurrentMeta:
     slots: Tensor  # [B] long: the state slot of each row
     row_valid: Tensor  # [B] bool: False rows commit nothing
     lengths: Tensor | None = None  # prefill: [B] real tokens per (right-padded) row
+    resume: Tensor | None = None  # prefill: [B] bool, continue from the committed state (None: all from zero)
     tree: TreeSchedule | None = None  # tree verification
 
     @property
@@ -121,14 +124,15 @@ def tree_level_widths(spec: SpecConfig, params: SamplingParams) -> tuple[int, ..
 
 
 def build_recurrent_meta(slots: Tensor, conv_kernel: int, *, row_valid: Tensor | None = None,
-                         lengths: Tensor | None = None, parents: Tensor | None = None, depths: Tensor | None = None,
-                         level_widths: tuple[int, ...] | None = None) -> RecurrentMeta:
-    """The description of one forward: ``lengths`` [B] for a prefill, ``parents`` / ``depths`` [B, N]
+                         lengths: Tensor | None = None, resume: Tensor | None = None, parents: Tensor | None = None,
+                         depths: Tensor | None = None, level_widths: tuple[int, ...] | None = None) -> RecurrentMeta:
+    """The description of one forward: ``lengths`` [B] for a prefill (``resume`` [B]: rows that
+    continue from their committed state), ``parents`` / ``depths`` [B, N]
     (topological, -1 = from the committed state) for a tree, neither for a plain decode step.
     ``level_widths`` bounds the nodes per depth (default N - d for d < N: exact for any tree)."""
     valid = torch.ones_like(slots, dtype=torch.bool) if row_valid is None else row_valid
     if parents is None:
-        return RecurrentMeta(slots=slots, row_valid=valid, lengths=lengths)
+        return RecurrentMeta(slots=slots, row_valid=valid, lengths=lengths, resume=resume)
     b, n = parents.shape
     widths = level_widths or tuple(n - d for d in range(n))
     return RecurrentMeta(slots=slots, row_valid=valid, tree=_tree_schedule(parents, depths, conv_kernel, widths))
@@ -189,6 +193,14 @@ class RecurrentStep:
         keep = (m.row_valid if valid is None else valid).view(-1, *([1] * (new.dim() - 1)))
         pool.index_copy_(0, m.slots, torch.where(keep, new.to(pool.dtype), pool.index_select(0, m.slots)))
 
+    def _initial(self, pool: Tensor, resume: Tensor | None) -> Tensor | None:
+        """A prefill's starting state per row: the slot's committed one where ``resume``, else zeros
+        (None when no row resumes: whatever the slots held before is never read)."""
+        if resume is None:
+            return None
+        keep = resume.view(-1, *([1] * (pool.dim() - 1)))
+        return torch.where(keep, pool.index_select(0, self.meta.slots), 0)
+
     def conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:
         """x [B, T, C], weight [C, K] -> SiLU(causal conv over each row's / node's history) [B, T, C]."""
         m, li = self.meta, self.state.layer_index[layer]
@@ -196,10 +208,13 @@ class RecurrentStep:
         b, t, c = x.shape
         k = weight.shape[-1]
         if m.mode == "prefill":
-            j = m.lengths[:, None] - (k - 1) + torch.arange(k - 1, device=x.device)  # [B, K - 1] last real inputs
-            hist = torch.gather(x, 1, j.clamp(min=0)[:, :, None].expand(b, k - 1, c))
-            self._write(pool, torch.where((j >= 0)[:, :, None], hist, 0).transpose(1, 2))
-            return causal_conv(x, weight)
+            start = self._initial(pool, m.resume)  # [B, C, K - 1] or None (zeros)
+            if start is None:
+                start = x.new_zeros(b, c, k - 1)
+            ext = torch.cat([start.transpose(1, 2).to(x.dtype), x], 1)  # [B, K - 1 + T, C]
+            j = m.lengths[:, None] + torch.arange(k - 1, device=x.device)  # [B, K - 1] the last K - 1 inputs
+            self._write(pool, torch.gather(ext, 1, j[:, :, None].expand(b, k - 1, c)).transpose(1, 2))
+            return causal_conv(x, weight, start)
         hist = pool.index_select(0, m.slots)  # [B, C, K - 1]
         if m.mode == "decode":
             self._write(pool, torch.cat([hist[:, :, 1:], x.transpose(1, 2).to(hist.dtype)], 2))
@@ -217,7 +232,7 @@ class RecurrentStep:
         if m.mode == "prefill":
             real = (torch.arange(q.shape[1], device=q.device)[None] < m.lengths[:, None])[:, :, None]  # [B, T, 1]
             g, beta = torch.where(real, g, 0), torch.where(real, beta, 0)
-            o, final = delta_rule(q, k, v, g, beta)
+            o, final = delta_rule(q, k, v, g, beta, initial_state=self._initial(pool, m.resume))
             self._write(pool, final)
             return o
         s0 = pool.index_select(0, m.slots)  # [B, H, Dk, Dv]

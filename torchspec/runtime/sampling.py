@@ -4,6 +4,9 @@
 top-k, then top-p). Speculative sampling is exact only if the target's verification distribution
 and the draft's proposal distribution are the ones actually used, so the SAME function processes
 both sides' logits; ``-inf`` logits (a head that scores only a candidate subset) get probability 0.
+The settings are one ``SamplingParams`` for every row, or a ``RowSampling`` (per-row tensors [B], the
+rows of one round may belong to requests with different settings); greedy rows give the point mass
+on the argmax either way, so one verifier serves a batch mixing greedy and sampled rows.
 
 Samplers use the Gumbel / exponential race: with E_v ~ Exp(1) i.i.d., the order of
 ``log p_v - log E_v`` is exactly the order of sequential sampling without replacement, so
@@ -37,33 +40,70 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> probabilities [..., V] fp32 (rows need at least one finite logit).
+@dataclass
+class RowSampling:
+    """Per-row settings of one batch (static shape [B]; the values never change a graph's shape).
+
+    ``greedy`` is host-side and static: True when every row is greedy (the engine then runs its
+    greedy round: argmax verification, dynamic tree), False for a batch with any sampled row."""
+
+    temperature: torch.Tensor  # [B] fp32, 0 = greedy row
+    top_p: torch.Tensor  # [B] fp32, 1 = off
+    top_k: torch.Tensor  # [B] long, 0 = off
+    greedy: bool = False
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device | str) -> RowSampling:
+        t = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+        return cls(t.to(device), p.to(device), k.to(device), greedy=all(x.greedy for x in params))
+
+
+def _point_mass(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams | RowSampling) -> torch.Tensor:
+    """logits [B, ..., V] -> probabilities [B, ..., V] fp32 (rows need at least one finite logit).
 
     Greedy (temperature 0) gives the point mass on the argmax (first index on ties), so the
     verifier's sampling rule reduces to greedy verification. Otherwise: divide by the
     temperature; keep the top_k largest; of those, keep the smallest prefix of the sorted,
     renormalised distribution whose mass reaches top_p (the top-1 token is always kept);
     renormalise. Sorting is stable, so ties are broken towards the lower token id.
+
+    ``RowSampling`` applies row b's settings to ``logits[b]`` (greedy rows: point mass); the
+    top-k / top-p filter then always runs (its cost does not depend on the rows' values).
     """
     x = logits.float()
     if params.greedy:
-        top = x.argmax(dim=-1, keepdim=True)
-        return torch.zeros_like(x).scatter_(-1, top, 1.0)
-    x = x / params.temperature
-    if params.top_k > 0 or params.top_p < 1.0:
+        return _point_mass(x)
+    greedy_rows = None
+    if isinstance(params, RowSampling):
+        col = (-1,) + (1,) * (x.dim() - 1)  # [B, 1, ..., 1]: row b's value for every position of row b
+        t = params.temperature.view(col)
+        greedy_rows = t == 0
+        temperature, top_p, top_k = torch.where(greedy_rows, 1.0, t), params.top_p.view(col), params.top_k.view(col)
+        filtered = True
+    else:
+        temperature, top_p, top_k = params.temperature, params.top_p, params.top_k
+        filtered = top_k > 0 or top_p < 1.0
+    x = x / temperature
+    if filtered:
         v = x.shape[-1]
         sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [..., V]
         keep = torch.ones_like(sorted_x, dtype=torch.bool)
-        if params.top_k > 0:
-            keep &= torch.arange(v, device=x.device) < params.top_k
-        if params.top_p < 1.0:
-            ps = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
-            mass_before = torch.cumsum(ps, dim=-1) - ps  # exclusive prefix mass; 0 for the top-1
-            keep &= mass_before < params.top_p
+        keep &= (torch.arange(v, device=x.device) < top_k) | (top_k <= 0)
+        ps = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
+        mass_before = torch.cumsum(ps, dim=-1) - ps  # exclusive prefix mass; 0 for the top-1
+        keep &= (mass_before < top_p) | (top_p >= 1.0)
         keep = torch.zeros_like(keep).scatter_(-1, order, keep)  # back to vocabulary order
         x = x.masked_fill(~keep, float("-inf"))
-    return torch.softmax(x, dim=-1)
+    probs = torch.softmax(x, dim=-1)
+    if greedy_rows is not None:
+        probs = torch.where(greedy_rows, _point_mass(logits.float()), probs)
+    return probs
 
 
 def _race_keys(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -107,5 +147,5 @@ def remove_and_renormalise(q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out / mass.clamp_min(torch.finfo(out.dtype).tiny)
 
 
-__all__ = ["SamplingParams", "process_logits", "remove_and_renormalise", "sample",
+__all__ = ["RowSampling", "SamplingParams", "process_logits", "remove_and_renormalise", "sample",
            "sample_without_replacement"]

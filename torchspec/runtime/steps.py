@@ -20,6 +20,9 @@ Hybrid targets (Gated DeltaNet layers) also keep a recurrent state per slot (``c
 round every tree node continues from its parent's state and, after step 3, only the state of the
 accepted path's last node ``path[b, num_accepted[b]]`` is committed (rejected nodes leave no trace
 there either). ``slots`` [B] names each row's state slot (default: row b is slot b).
+
+Sampling settings are one ``SamplingParams`` for every row or a ``RowSampling`` (per-row values);
+either way a step's shapes depend only on whether every row is greedy (``params.greedy``).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from torchspec.runtime.recurrent_state import (
     build_recurrent_meta,
     tree_level_widths,
 )
-from torchspec.runtime.sampling import SamplingParams, process_logits, sample
+from torchspec.runtime.sampling import RowSampling, SamplingParams, process_logits, sample
 from torchspec.runtime.verify import verify_greedy, verify_sampling
 from torchspec.targets import TargetDecoder
 
@@ -69,10 +72,10 @@ class StepOut:
     feedback: torch.Tensor | None = None
 
 
-def next_token(decoder: TargetDecoder, hidden: torch.Tensor, params: SamplingParams,
+def next_token(decoder: TargetDecoder, hidden: torch.Tensor, params: SamplingParams | RowSampling,
                generator: torch.Generator) -> torch.Tensor:
-    """[..., H] final hidden -> token [...]: the target's argmax (no full logits under TP), or a draw
-    from its processed fp32 distribution."""
+    """[B, H] final hidden -> token [B]: the target's argmax (no full logits under TP) when every row
+    is greedy, else a draw from its processed fp32 distribution (a greedy row's is a point mass)."""
     if params.greedy:
         return decoder.argmax(hidden)
     return sample(process_logits(decoder.logits(hidden), params), generator)
@@ -113,35 +116,44 @@ def catch_up_drafter(runner: DrafterRunner, caches: Caches, block_table: torch.T
 
 
 def prefill(decoder: TargetDecoder, runner: DrafterRunner | None, caches: Caches, block_table: torch.Tensor,
-            prompts: torch.Tensor, lengths: torch.Tensor, params: SamplingParams,
-            generator: torch.Generator | None, slots: torch.Tensor | None = None) -> StepOut:
-    """Prompts [B, T] (right-padded; ``lengths`` [B]) into empty rows: fills the target (and
-    drafter) cache and samples each row's first token x_P. Padding positions only write KV at
-    positions >= the row's length (uncommitted, or the trash page beyond its block table); a hybrid
-    target's rows start from zero state and commit the state after their last real token."""
+            prompts: torch.Tensor, lengths: torch.Tensor, params: SamplingParams | RowSampling,
+            generator: torch.Generator | None, slots: torch.Tensor | None = None, ctx: torch.Tensor | None = None,
+            next_tokens: torch.Tensor | None = None) -> StepOut:
+    """A chunk of each row's prompt, prompts [B, T] (right-padded; ``lengths`` [B]), written after the
+    row's ``ctx`` [B] committed tokens (default 0: empty rows); fills the target (and drafter) cache.
+
+    Each chunk token attends the committed prefix and the chunk causally (the one mask rule of
+    ``paged_kv``). ``next_tokens`` [B]: the prompt token that follows each row's chunk, or -1 where
+    the chunk ends the prompt (default: every row's does); there the first token x_P is sampled and
+    becomes the drafter's input at the last prompt position (x_{t+1} at t). ``tokens`` / ``root``
+    mean nothing for rows that continue. Padding positions only write KV at positions >= ctx +
+    length (uncommitted, or the trash page beyond the block table). A hybrid target's rows with ctx
+    = 0 start from zero state, the others continue from their slot's committed state; each commits
+    the state after its last real token."""
     b, t = prompts.shape
     dev = prompts.device
-    zero = torch.zeros(b, dtype=torch.long, device=dev)
+    ctx = torch.zeros(b, dtype=torch.long, device=dev) if ctx is None else ctx
     valid = torch.ones(b, dtype=torch.bool, device=dev)
-    positions = torch.arange(t, device=dev).expand(b, t)
-    meta = build_attention_meta(block_table, zero, causal_mask(b, t, dev), caches.page_size, row_valid=valid)
+    positions = ctx[:, None] + torch.arange(t, device=dev)
+    meta = build_attention_meta(block_table, ctx, causal_mask(b, t, dev), caches.page_size, row_valid=valid)
     aux_ids = tuple(runner.config.aux_layer_ids) if runner is not None else ()
-    attend = target_attend(caches, meta, slots, valid, lengths=lengths)
+    attend = target_attend(caches, meta, slots, valid, lengths=lengths, resume=ctx > 0)
     out = decoder(prompts, positions, attend, capture_layers=aux_ids)
     last = (lengths - 1)[:, None, None]
     hidden_last = torch.gather(out.hidden, 1, last.expand(b, 1, out.hidden.shape[-1]))[:, 0]
     first = next_token(decoder, hidden_last, params, generator)  # [B]
     step = StepOut(tokens=first[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=first)
     if runner is not None:
-        shifted = torch.cat([prompts[:, 1:], first[:, None]], 1)  # x_{t+1}; x_P at position P - 1
-        shifted = shifted.scatter(1, (lengths - 1)[:, None], first[:, None])
-        step.normed, step.feedback = catch_up_drafter(runner, caches, block_table, zero, shifted, out.aux,
+        follow = first if next_tokens is None else torch.where(next_tokens >= 0, next_tokens, first)
+        shifted = torch.cat([prompts[:, 1:], follow[:, None]], 1)  # x_{t+1}; the follower at the last position
+        shifted = shifted.scatter(1, (lengths - 1)[:, None], follow[:, None])
+        step.normed, step.feedback = catch_up_drafter(runner, caches, block_table, ctx, shifted, out.aux,
                                                       lengths - 1, valid)
     return step
 
 
 def plain_step(decoder: TargetDecoder, caches: Caches, block_table: torch.Tensor, ctx: torch.Tensor,
-               root: torch.Tensor, row_valid: torch.Tensor, params: SamplingParams,
+               root: torch.Tensor, row_valid: torch.Tensor, params: SamplingParams | RowSampling,
                generator: torch.Generator, slots: torch.Tensor | None = None) -> StepOut:
     """Plain decoding: one target forward per token (a hybrid target's state is committed at once)."""
     b = root.shape[0]
@@ -154,7 +166,7 @@ def plain_step(decoder: TargetDecoder, caches: Caches, block_table: torch.Tensor
 
 
 def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp: DraftInputs,
-              spec: SpecConfig, params: SamplingParams, generator: torch.Generator,
+              spec: SpecConfig, params: SamplingParams | RowSampling, generator: torch.Generator,
               slots: torch.Tensor | None = None) -> StepOut:
     """One draft-verify-accept-compact-catch-up round over the active rows (see module docstring)."""
     tree = draft_round(runner, caches.drafter, inp, spec, params, generator)
