@@ -25,10 +25,10 @@ AUX = [1, 2, 3]
 
 def build_pair(root, tokenizer=None, *, flavour: str = "llama", vocab_size: int = 384, mix: float = 0.3,
                seed: int = 0, sliding_window: int | None = 6, lm_head_rank: int = 0, lm_head_topk: int = 16,
-               initializer_range: float = 0.02, noise: float = 0.1) -> tuple[str, str]:
+               initializer_range: float = 0.02, noise: float = 0.1, num_layers: int = 6) -> tuple[str, str]:
     """Write a target dir and a drafter export under ``root``; return (target_dir, export_dir)."""
     target_dir = build_tiny_target(str(root / f"target_{flavour}"), flavour=flavour, vocab_size=vocab_size,
-                                   num_layers=6, tokenizer=tokenizer, seed=seed, tie_word_embeddings=False,
+                                   num_layers=num_layers, tokenizer=tokenizer, seed=seed, tie_word_embeddings=False,
                                    initializer_range=initializer_range)
     weights = load_file(f"{target_dir}/model.safetensors")
     for name in weights:

@@ -62,12 +62,9 @@ def main() -> None:
     if args.tiny:
         from tests.runtime_pair import build_pair
         from torchspec.data import build_tiny_tokenizer
-        from torchspec.targets import build_tiny_target
 
         root = pathlib.Path(tempfile.mkdtemp())
-        target, drafter = build_pair(root, build_tiny_tokenizer(384))
-        build_tiny_target(target, vocab_size=384, num_layers=30, tie_word_embeddings=False)  # same shape, 30 layers
-        args.target, args.drafter = target, drafter
+        args.target, args.drafter = build_pair(root, build_tiny_tokenizer(384), num_layers=30)
     engine = load_engine(args.target, args.drafter, device="cpu", dtype="float32", max_batch=1, max_context=256,
                          page_size=16)
     prompt = [list(range(1, 40))]
