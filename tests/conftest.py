@@ -70,3 +70,13 @@ def tiny_chat_jsonl(tmp_path_factory):
     path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in make_conversations(80)))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Modules of tiny or narrow tensors opt in (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    intra-op threads do not pay off there, and on a shared 2-core machine they make the module slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -27,12 +27,7 @@ TREE = SpecConfig(shape="tree", depth=3, topk=2, num_nodes=5)
 CHUNKS = [3, 4, 6, 8]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_5"])

@@ -102,14 +102,7 @@ CONTROLS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Batches of ~500 rows through a 64-wide model: intra-op threads barely pay off, and on a
-    shared 2-core machine they make the file slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -52,13 +52,7 @@ TREE = SpecConfig(shape="tree", depth=4, topk=3, num_nodes=10)
 GREEDY = SamplingParams()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: intra-op threads only add contention on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def hybrid_pair(root, tokenizer, flavour: str, mix: float = 0.3, **kwargs) -> tuple[str, str]:

@@ -36,14 +36,7 @@ SHAPES: dict[str, Shape] = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tensors here are [1e5, 6]: far too narrow for intra-op threads to pay off (on a shared
-    2-core machine they make the file several times slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def table_lms(params: SamplingParams, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ needs ``cu_seqlens`` (a host sync when packed); capture is not graph-captured, s
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -152,8 +153,9 @@ def varlen_plan(starts: Tensor) -> VarlenPlan:
     return F.pad(begins, (0, 1), value=b * t), flat_cut.long().cumsum(0) - 1
 
 
+@functools.cache
 def _fla_chunk():
-    """fla's chunk kernel, or None when fla is not installed."""
+    """fla's chunk kernel, or None when fla is not installed (looked up once: `uses_fla` runs per layer)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
