@@ -36,46 +36,78 @@ SHAPES = {  # name: (family, hidden, layers, heads, kv_heads, head_dim, intermed
 }
 
 
-def hf_config(shape: str):
+def hf_config(shape: str, num_layers: int | None = None):
+    """The transformers config of a named shape (``num_layers`` overrides its layer count)."""
     from transformers import LlamaConfig, Qwen3Config
 
     family, h, layers, heads, kv, hd, inter, vocab = SHAPES[shape]
+    layers = num_layers or layers
     cls = Qwen3Config if family == "qwen3" else LlamaConfig
     return cls(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
                num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, max_position_embeddings=4096,
                rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
+TARGET_HEAD_RANK = 64  # the target's lm_head is exactly this rank: a rank-128 scorer recovers it
+
+
 @torch.no_grad()
 def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed: int, device: str = "cuda",
-                 tp_group=None, fuse: bool = True):
+                 tp_group=None, fuse: bool = True, head_rank: int = 128, layers: int | None = None):
+    """A mostly-bigram target of ``shape`` and the EAGLE-4 drafter that imitates it (module docstring).
+
+    Scale-free construction, so acceptance depends on ``mix`` and the noise, not on the width or depth:
+    every projection is drawn with std 1/sqrt(fan_in) (a unit-rms input gives a unit-rms output), the
+    embedding with std 1, and o_proj / down_proj are scaled by mix / sqrt(2 L): the L layers add a
+    residual of rms ~``mix`` to the current token's unit-rms embedding. The lm_head is a product of
+    rank ``TARGET_HEAD_RANK`` (unit-variance entries), so a drafter with a low-rank scorer of rank >=
+    that (``head_rank``; 0 = the full head) proposes exactly the target head's top candidates. The
+    drafter's layer is scaled the same way; its eh_proj is set by ``set_noise``."""
     from torchspec.config import DrafterConfig
     from torchspec.models import build_drafter
     from torchspec.runtime.drafter_runner import DrafterRunner
     from torchspec.runtime.engine import SpeculativeEngine
     from torchspec.targets import TargetDecoder, default_aux_layer_ids
 
-    cfg = hf_config(shape)
+    cfg = hf_config(shape, layers)
     torch.manual_seed(seed)
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tp = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
     with torch.device(dev):  # under TP every rank draws the same numbers: replicated weights agree
         decoder = TargetDecoder(cfg, tp_group=tp_group)
     decoder.rope.to(dev)
-    for name, p in decoder.named_parameters():
-        if p.dim() >= 2:  # a unit-scale embedding keeps the residual stream mostly "current token"
-            p.normal_(0.0, 1.0 if name.startswith(("embed_tokens", "lm_head")) else 0.02)
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.mul_(mix)
+    residual_scale = mix / (2 * cfg.num_hidden_layers) ** 0.5
+    _scale_free_init(decoder.named_parameters(), residual_scale, tp)
+    g = torch.Generator(device=dev).manual_seed(seed + 1)
+    v, h = decoder.lm_head_weight.shape
+    a = torch.randn(v, TARGET_HEAD_RANK, device=dev, generator=g)
+    b = torch.randn(TARGET_HEAD_RANK, h, device=dev, generator=g) / TARGET_HEAD_RANK**0.5
+    decoder.lm_head_weight.copy_(a @ b)
     decoder.to(dtype)
-    aux = default_aux_layer_ids(cfg.num_hidden_layers)
-    drafter = build_drafter(DrafterConfig(lm_head_rank=0, sliding_window=None), cfg, aux).to(dev)
+    n = cfg.num_hidden_layers  # --layers below 8 (smoke runs): the default ids would collide
+    aux = default_aux_layer_ids(n) if n >= 8 else sorted({0, n // 2, n - 1} | set(range(3)))[-3:]
+    drafter = build_drafter(DrafterConfig(lm_head_rank=head_rank, sliding_window=None), cfg, aux).to(dev)
+    _scale_free_init(drafter.layer.named_parameters(), mix / 2**0.5, 1)
     drafter.init_from_target(decoder.embed_tokens_weight.float(), decoder.lm_head_weight.float())
-    drafter.layer.self_attn.o_proj.weight.mul_(mix * 5)
-    drafter.layer.mlp.down_proj.weight.mul_(mix * 5)
     runner = DrafterRunner(drafter.to(dtype).eval(), cfg.vocab_size)
     return SpeculativeEngine(decoder, runner, None, max_batch=max_batch, max_context=max_context, page_size=16,
                              fuse=fuse)
+
+
+def _scale_free_init(named_parameters, residual_scale: float, tp: int) -> None:
+    """Matrices std 1/sqrt(fan_in) (row-parallel shards: the full fan-in), the embedding std 1,
+    residual writers (o_proj, down_proj) times ``residual_scale``; the lm_head is left to the caller."""
+    for name, p in named_parameters:
+        if p.dim() < 2 or name.startswith("lm_head"):
+            continue
+        writer = name.endswith(("o_proj.weight", "down_proj.weight"))
+        if name.startswith("embed_tokens"):
+            p.normal_(0.0, 1.0)
+            continue
+        p.normal_(0.0, (p.shape[-1] * (tp if writer else 1)) ** -0.5)
+        if writer:
+            p.mul_(residual_scale)
 
 
 @torch.no_grad()
@@ -163,6 +195,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--head-rank", type=int, default=128,
+                   help="the drafter's low-rank scorer rank (EAGLE-4's efficient head); 0 = the full head")
+    p.add_argument("--layers", type=int, default=None, help="override the shape's layer count (smoke runs)")
     p.add_argument("--out", default="runtime_efficiency.json")
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run)")
     args = p.parse_args()
@@ -175,7 +210,7 @@ def main() -> None:
     device = str(tp_device) if tp_group is not None else args.device
     for shape in args.shape.split(","):
         engine = build_engine(shape, args.mix, max(levels), args.prompt_len + args.max_new_tokens + 64, 0,
-                              device, tp_group)
+                              device, tp_group, head_rank=args.head_rank, layers=args.layers)
         vocab = engine.decoder.vocab_size
         for noise in (float(x) for x in args.noise.split(",")):
             set_noise(engine, noise)

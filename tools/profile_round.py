@@ -1,0 +1,152 @@
+"""Where a speculation round's time goes (GPU): each phase as its own CUDA graph, against a plain step.
+
+Builds the controlled-acceptance pair of ``tools/bench_runtime_efficiency.py`` at a shape, gives
+``--batch`` rows ``--ctx`` committed tokens, and captures one CUDA graph per phase of
+``runtime.steps.speculate`` on the same inputs:
+
+    plain      one plain decode step (the unit)
+    round      the whole round (draft + verify + accept/compact + catch-up), as the engine runs it
+    draft      ``drafting.draft_round``: every drafter forward, head and top-k, the tree bookkeeping
+    verify     the target forward over the drafted tree + the argmax of every node
+    catch_up   the drafter's step-0 forward over the D + 1 committed positions
+    head       the drafter head + log-softmax + top-k of one depth's frontier (inside ``draft``)
+
+Each graph is replayed 50 times (median, CUDA events) and its eager run is profiled once for the
+kernel count. ``round - (draft + verify + catch_up)`` is the acceptance, compaction and glue.
+
+    python tools/profile_round.py --shape qwen3-8b --batch 1 --ctx 512 --spec chain --depth 5 \\
+        --json docs/bench/round_profile_qwen3_8b_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+
+def graph_ms(fn, replays: int = 50) -> float:
+    """Median replay time of ``fn`` captured in a CUDA graph (after 3 eager warm-ups)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_count(fn) -> int:
+    """CUDA kernels one eager call of ``fn`` launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@torch.no_grad()
+def main() -> None:
+    from bench_runtime_efficiency import build_engine, set_noise
+
+    from torchspec.runtime.drafting import DraftInputs, SpecConfig, _scores, draft_round
+    from torchspec.runtime.paged_kv import build_attention_meta
+    from torchspec.runtime.sampling import SamplingParams
+    from torchspec.runtime.steps import catch_up_drafter, plain_step, speculate, target_attend
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--spec", default="chain,tree", help="chain and/or tree")
+    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--num-nodes", type=int, default=16)
+    p.add_argument("--head-rank", type=int, default=128, help="drafter scorer rank; 0 = full head")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    batches = [int(x) for x in args.batch.split(",")]
+    engine = build_engine(args.shape, 0.1, max(batches), args.ctx + 256, 0, "cuda", head_rank=args.head_rank,
+                          layers=args.layers)
+    set_noise(engine, 0.0)
+    dev = torch.device("cuda")
+    params = SamplingParams()
+    vocab = engine.decoder.vocab_size
+    prompts = torch.randint(0, vocab, (max(batches), 16)).tolist()
+    engine.generate(prompts, max_new_tokens=4, ignore_eos=True)  # loads kernels, compiles the fused ops
+    for i in range(max(batches)):  # live-looking rows: pages for ctx + a round
+        pages = engine.allocator.alloc(-(-(args.ctx + 64) // engine.page_size))
+        engine.block_table[i, : len(pages)] = torch.tensor(pages)
+    rows = []
+    print(f"{torch.cuda.get_device_name()}  shape {args.shape}  ctx {args.ctx}  head rank {args.head_rank}")
+    for b in batches:
+        bt = engine.block_table[:b]
+        ctx = torch.full((b,), args.ctx, dtype=torch.long, device=dev)
+        valid = torch.ones(b, dtype=torch.bool, device=dev)
+        root = torch.randint(0, vocab, (b,), device=dev)
+        inp = DraftInputs(root=root, normed=engine.normed[:b], feedback=engine.feedback[:b], ctx_len=ctx,
+                          block_table=bt, row_valid=valid)
+        phases = {"plain": lambda: plain_step(engine.decoder, engine.caches, bt, ctx, root, valid, params, None)}
+        for shape in args.spec.split(","):
+            spec = SpecConfig(shape=shape, depth=args.depth, topk=args.topk, num_nodes=args.num_nodes)
+            runner, caches = engine.runner, engine.caches
+            tree = draft_round(runner, caches.drafter, inp, spec, params, None)
+            aux_ids = tuple(runner.config.aux_layer_ids)
+
+            def verify(tree=tree, spec=spec):
+                meta = build_attention_meta(bt, ctx, tree.attention_mask(spec.depth), caches.page_size, row_valid=valid)
+                out = engine.decoder(tree.tokens, ctx[:, None] + tree.depths, target_attend(caches, meta, None, valid),
+                                     capture_layers=aux_ids)
+                return engine.decoder.argmax(out.hidden), out.aux
+
+            _, aux = verify()
+            width = spec.depth + 1
+            emitted = torch.randint(0, vocab, (b, width), device=dev)
+            aux_path = [a[:, :width].contiguous() for a in aux]
+            last = torch.full((b,), spec.depth, dtype=torch.long, device=dev)
+            k = 1 if shape == "chain" else spec.topk
+            frontier = engine.normed[:b, None].expand(b, k, -1).contiguous()
+            phases.update({
+                f"{shape}.round": lambda spec=spec: speculate(engine.decoder, runner, caches, inp, spec, params, None),
+                f"{shape}.draft": lambda spec=spec: draft_round(runner, caches.drafter, inp, spec, params, None),
+                f"{shape}.verify": verify,
+                f"{shape}.catch_up": lambda aux_path=aux_path, emitted=emitted, last=last: catch_up_drafter(
+                    runner, caches, bt, ctx, emitted, aux_path, last, valid),
+                f"{shape}.head": lambda frontier=frontier, k=k: _scores(runner.logits(frontier), params).topk(k, -1),
+            })
+        plain_ms = None
+        for name, fn in phases.items():
+            ms, kernels = graph_ms(fn), kernel_count(fn)
+            plain_ms = plain_ms or ms
+            rows.append({"batch": b, "phase": name, "ms": ms, "plain_steps": ms / plain_ms, "kernels": kernels})
+            print(f"b={b:<3} {name:<16} {ms:8.3f} ms  {ms / plain_ms:5.2f} plain steps  {kernels:6d} kernels", flush=True)
+    if args.json:
+        out = {"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}
+        path = pathlib.Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(path)
+
+
+if __name__ == "__main__":
+    main()
