@@ -67,7 +67,7 @@ def kernel_count(fn) -> int:
 def main() -> None:
     from bench_runtime_efficiency import build_engine, set_noise
 
-    from torchspec.runtime.drafting import DraftInputs, SpecConfig, _scores, draft_round
+    from torchspec.runtime.drafting import DraftInputs, SpecConfig, _top, draft_round
     from torchspec.runtime.paged_kv import build_attention_meta
     from torchspec.runtime.sampling import SamplingParams
     from torchspec.runtime.steps import catch_up_drafter, plain_step, speculate, target_attend
@@ -131,7 +131,7 @@ def main() -> None:
                 f"{shape}.verify": verify,
                 f"{shape}.catch_up": lambda aux_path=aux_path, emitted=emitted, last=last: catch_up_drafter(
                     runner, caches, bt, ctx, emitted, aux_path, last, valid),
-                f"{shape}.head": lambda frontier=frontier, k=k: _scores(runner.logits(frontier), params).topk(k, -1),
+                f"{shape}.head": lambda frontier=frontier, k=k: _top(runner, frontier, k, params),
             })
         plain_ms = None
         for name, fn in phases.items():

@@ -1,6 +1,11 @@
 """Building blocks shared by the drafters: rotary embeddings, SwiGLU MLP and the grouped-query
 attention module (RMSNorm and the RoPE rotation are the target's, ``torchspec/targets``).
 
+Serving fuses them once (``fuse_serving_layers``, called by ``DrafterRunner.fuse_for_serving``):
+one GEMM for q|k|v and for gate|up, and the RMSNorm / RoPE / SwiGLU elementwise chains compiled to one
+kernel each on CUDA (``torchspec.targets.fused_ops``) -- the target decoder's serving fusion, applied
+to the drafter's one layer. Training never fuses (its parameter names are the checkpoint's).
+
 The attention module computes q/k/v (projections, RoPE or NoPE) and hands them to an ``attend``
 the CALLER chose (the contract of ``torchspec/attend.py``): the training unroll passes a
 ``torchspec.models.attention.TTTAttend`` (the K-step TTT pattern: step-0 keys in the sliding
@@ -16,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchspec.attend import Attend
+from torchspec.targets.fused_ops import fused
+from torchspec.targets.layers import RMSNorm, fuse_linears, silu_mul_fused
 from torchspec.targets.rope import rotate_half
 
 
@@ -39,15 +46,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+apply_rope_fused = fused(apply_rope)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # serving: one GEMM (``fuse``)
+
+    def fuse(self) -> None:
+        """Serving: gate|up as one GEMM, SwiGLU's elementwise part as one kernel on CUDA."""
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(silu_mul_fused(gate, up))
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -69,17 +88,29 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # serving: one GEMM (``fuse``)
+
+    def fuse(self) -> None:
+        """Serving: q|k|v as one GEMM, RoPE as one kernel on CUDA."""
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def project_qkv(
         self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, in_dim] -> q [B, h, T, D], k/v [B, kv_h, T, D]; RoPE applied unless cos is None."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv_proj is not None:
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cos is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            rope = apply_rope if self.qkv_proj is None else apply_rope_fused
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, attend: Attend,
@@ -88,3 +119,13 @@ class Attention(nn.Module):
         q, k, v = self.project_qkv(x, cos, sin)
         out = attend(layer, q, k, v)  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def fuse_serving_layers(model: nn.Module) -> None:
+    """Serving fusion of every drafter layer in ``model`` (in place; see the module docstring)."""
+    for module in list(model.modules()):
+        if isinstance(module, (Attention, SwiGLU)) and getattr(module, "qkv_proj", None) is None \
+                and getattr(module, "gate_up_proj", None) is None:
+            module.fuse()
+        elif isinstance(module, RMSNorm):
+            module.fused = True

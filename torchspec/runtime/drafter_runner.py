@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from torchspec.models.base import Drafter
+from torchspec.models.layers import fuse_serving_layers
 from torchspec.models.lm_head import EfficientLMHead
 from torchspec.runtime.paged_kv import AttentionMeta, PagedAttend, PagedKVCache
 
@@ -66,6 +67,11 @@ class DrafterRunner:
         c = self.config
         return PagedKVCache(1, num_pages, page_size, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
 
+    def fuse_for_serving(self) -> None:
+        """One GEMM for q|k|v and gate|up, elementwise chains as one kernel each on CUDA (in place,
+        ``torchspec.models.layers.fuse_serving_layers``); the engine calls it with ``fuse=True``."""
+        fuse_serving_layers(self.model)
+
     @torch.no_grad()
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
         """3 x [B, T, H] captured target states -> step-0 hidden [B, T, H] in the drafter's dtype."""
@@ -81,3 +87,19 @@ class DrafterRunner:
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """[..., H] -> fp32 logits [..., V_target]; tokens the head cannot propose get -inf."""
         return self.model.target_logits(normed)
+
+    @torch.no_grad()
+    def top_candidates(self, normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[..., H] -> (log-probabilities [..., k] descending, target ids [..., k]): the draft
+        distribution's k most likely tokens, = ``log_softmax(logits(normed)).topk(k)`` without a
+        vocabulary-wide log-softmax. An efficient head scores only its candidates (everything else is
+        -inf, so their log-sum-exp is the whole one): nothing vocabulary-wide is materialised at all."""
+        head = self.model.lm_head
+        if isinstance(head, EfficientLMHead) and k <= head.topk:
+            ids, logits = head.candidates(normed)
+            logits = logits.float()
+            top, pos = logits.topk(k, dim=-1)
+            return top - torch.logsumexp(logits, dim=-1, keepdim=True), torch.gather(ids, -1, pos)
+        logits = self.logits(normed)
+        top, ids = logits.topk(k, dim=-1)
+        return top - torch.logsumexp(logits, dim=-1, keepdim=True), ids

@@ -123,11 +123,14 @@ class DraftInputs:
     row_valid: torch.Tensor  # [B] bool
 
 
-def _scores(logits: torch.Tensor, params: SamplingParams | RowSampling) -> torch.Tensor:
-    """Log-probabilities that rank candidates: raw for greedy, processed (T, top-p/k) otherwise."""
+def _top(runner: DrafterRunner, normed: torch.Tensor, k: int, params: SamplingParams | RowSampling
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best candidates (log-probability descending, ids) of each frontier node: of the raw
+    draft distribution for greedy rounds (no vocabulary-wide op, ``DrafterRunner.top_candidates``),
+    of the processed one (T, top-p/k) otherwise."""
     if params.greedy:
-        return torch.log_softmax(logits, dim=-1)
-    return torch.log(process_logits(logits, params))
+        return runner.top_candidates(normed, k)
+    return torch.log(process_logits(runner.logits(normed), params)).topk(k, dim=-1)
 
 
 class _DraftWriter:
@@ -172,8 +175,7 @@ def draft_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInp
     b = inp.root.shape[0]
     dev = inp.root.device
     writer = _DraftWriter(runner, cache, inp, max(1, (depth - 1) * k))
-    lp = _scores(runner.logits(inp.normed), params)  # [B, V]
-    sc, tok = lp.topk(k, dim=-1)  # [B, k], sorted
+    sc, tok = _top(runner, inp.normed, k, params)  # [B, k], sorted
     pool_tok, pool_sc = [tok], [sc]
     pool_parent = [torch.full((b, k), -1, dtype=torch.long, device=dev)]
     pool_depth = [torch.ones(b, k, dtype=torch.long, device=dev)]
@@ -184,8 +186,7 @@ def draft_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInp
     base = k
     for d in range(1, depth):
         normed, feedback = writer.run(front_tok, front_hidden, parent_rows, d)
-        lp = _scores(runner.logits(normed), params)  # [B, k, V]
-        csc, ctok = lp.topk(k, dim=-1)  # [B, k, k]
+        csc, ctok = _top(runner, normed, k, params)  # [B, k, k]
         cum = (front_sc[:, :, None] + csc).reshape(b, k * k)
         pool_tok.append(ctok.reshape(b, k * k))
         pool_sc.append(cum)

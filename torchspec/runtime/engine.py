@@ -54,8 +54,9 @@ class SpeculativeEngine:
                  max_batch: int = 8, max_context: int = 2048, page_size: int = 16, num_pages: int | None = None,
                  cuda_graphs: bool | None = None, prefill_tokens: int = 16384, fuse: bool = True,
                  prefix_cache: bool = True):
-        """``fuse``: serve with `TargetDecoder.fuse_for_serving` (one GEMM for q|k|v and for gate|up,
-        elementwise chains compiled to one kernel each on CUDA); it changes the decoder in place.
+        """``fuse``: serve with `TargetDecoder.fuse_for_serving` and `DrafterRunner.fuse_for_serving`
+        (one GEMM for q|k|v and for gate|up, elementwise chains compiled to one kernel each on CUDA);
+        it changes the decoder and the drafter in place.
         ``prefill_tokens``: padded tokens per prefill forward (longer prompts are prefilled in chunks).
         ``prefix_cache``: share full prompt pages between requests (always off for hybrid targets)."""
         if max_batch < 1 or max_context < 2 or page_size < 1 or prefill_tokens < 1:
@@ -63,6 +64,8 @@ class SpeculativeEngine:
                              f"page_size={page_size} >= 1 and prefill_tokens={prefill_tokens} >= 1 are required.")
         if fuse:
             decoder.fuse_for_serving()
+            if runner is not None:
+                runner.fuse_for_serving()
         self.decoder, self.runner, self.tokenizer = decoder, runner, tokenizer
         self.max_batch, self.max_context, self.page_size = max_batch, max_context, page_size
         self.prefill_tokens = prefill_tokens
