@@ -62,7 +62,9 @@ DrafterConfig.__doc__ = "The drafter group: training keys plus the flags of ever
 
 @dataclass
 class DataConfig:
-    path: str = "sharegpt"  # "sharegpt" (bundled ShareGPT V3), or a .jsonl / .json file
+    # "sharegpt" (bundled ShareGPT V3), a .jsonl / .json file, a data_pipelines.regenerate output directory,
+    # or a data_pipelines.prepare output directory (read as prepared: no tokenisation; docs/data_pipelines.md)
+    path: str = "sharegpt"
     format: str = "auto"  # auto | messages | sharegpt
     max_length: int = 2048
     on_too_long: str = "truncate"  # truncate | skip
@@ -215,15 +217,12 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"train.loss_chunk_gib={t.loss_chunk_gib} must be > 0 (GiB of one loss chunk's logits).")
     _choice(t.report_to, "train.report_to", ("wandb", "none"))
     _choice(cfg.target.dtype, "target.dtype", ("float32", "bfloat16", "auto"))
-    _choice(cfg.data.format, "data.format", ("auto", "messages", "sharegpt"))
-    _choice(cfg.data.on_too_long, "data.on_too_long", ("truncate", "skip"))
+    validate_data_config(cfg.data)
     if cfg.data.max_length < t.ttt_steps + 3:
         raise ValueError(
             f"data.max_length={cfg.data.max_length} is too short for train.ttt_steps={t.ttt_steps}: "
             f"step k scores token t+k+2, so use max_length >= ttt_steps + 3 (realistically hundreds)."
         )
-    if cfg.data.eval_size < 1:
-        raise ValueError(f"data.eval_size={cfg.data.eval_size} must be >= 1 (held-out eval runs at start and end).")
     p = cfg.parallel
     _choice(p.engine, "parallel.engine", ("none", "fsdp2", "deepspeed"))
     if p.target_tp < 1:
@@ -237,6 +236,16 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"parallel.deepspeed is set but parallel.engine={p.engine!r}; use parallel.engine=deepspeed.")
     if p.engine == "deepspeed" and t.async_checkpoint:
         raise ValueError("train.async_checkpoint=true needs parallel.engine=none or fsdp2 (DeepSpeed saves synchronously).")
+
+
+def validate_data_config(d: DataConfig) -> None:
+    """The data.* checks shared by the trainer and data_pipelines.prepare."""
+    _choice(d.format, "data.format", ("auto", "messages", "sharegpt"))
+    _choice(d.on_too_long, "data.on_too_long", ("truncate", "skip"))
+    if d.max_length < 1:
+        raise ValueError(f"data.max_length={d.max_length} must be >= 1 (tokens per sequence).")
+    if d.eval_size < 1:
+        raise ValueError(f"data.eval_size={d.eval_size} must be >= 1 (held-out eval runs at start and end).")
 
 
 def validate_against_target(cfg: Config, target_config: Any) -> list[int]:

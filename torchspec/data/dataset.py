@@ -1,8 +1,11 @@
 """Training examples, the held-out split, batch collation and a resumable batch sampler.
 
-``build_datasets`` turns a conversation file into tokenized ``Example``s and splits off a
-held-out set fixed by a seed. ``collate`` right-pads a batch and adds the per-token
-``position_ids`` and ``document_ids`` that packed rows (``torchspec.data.packing``) need.
+``build_datasets`` turns a conversation file (or a finished regeneration directory,
+``torchspec.data.regenerated``) into tokenized ``Example``s and splits off a held-out set fixed by
+a seed (``held_out_indices``); a directory written by ``data_pipelines.prepare`` is read as it is
+(``torchspec.data.prepared``): the same examples and split, no tokenisation. ``collate`` right-pads
+a batch and adds the per-token ``position_ids`` and ``document_ids`` that packed rows
+(``torchspec.data.packing``) need.
 ``ResumableBatchSampler`` yields batches of example indices
 forever, epoch after epoch; its ``state_dict`` (epoch, position) is what a checkpoint stores so
 that a resumed run sees exactly the batches an uninterrupted run would have seen.
@@ -18,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from torchspec.data.formats import SkipConversation, SkipStats, iter_conversations
+from torchspec.data.formats import SkipConversation, SkipStats
+from torchspec.data.regenerated import read_source
 from torchspec.data.template import tokenize_conversation
 
 
@@ -58,6 +62,8 @@ def build_datasets(
     alone (its own generator, not the global RNG): the same file, settings and seed always give
     the same split. Both lists keep file order. ``chat_template``, if given, replaces the
     tokenizer's own template (it is set on the tokenizer). ``stats.kept`` counts the examples.
+    A prepared directory (``data_pipelines.prepare``) gives the same lists without tokenising, or a
+    ValueError when it was prepared for another tokenizer, template or settings.
     """
     if eval_size < 0:
         raise ValueError(f"eval_size={eval_size} must be >= 0")
@@ -68,10 +74,17 @@ def build_datasets(
         )
     if chat_template is not None:
         tokenizer.chat_template = chat_template
+    from torchspec.data.prepared import is_prepared_dir, load_prepared  # it imports Example from here
+
+    if is_prepared_dir(path):
+        settings = {"format": fmt, "max_length": max_length, "on_too_long": on_too_long,
+                    "max_conversations": max_conversations, "eval_size": eval_size, "seed": seed}
+        prepared = load_prepared(path, tokenizer, settings)
+        return prepared.train, prepared.eval, prepared.stats
 
     stats = SkipStats()
     examples: list[Example] = []
-    with closing(iter_conversations(path, fmt, stats)) as conversations:
+    with closing(read_source(path, fmt, stats)) as conversations:
         for messages in conversations:
             try:
                 ids, mask = tokenize_conversation(tokenizer, messages, max_length, on_too_long)
@@ -88,11 +101,16 @@ def build_datasets(
             f"only {len(examples)} examples survived from {path!r}, fewer than eval_size + 1 = {eval_size + 1} "
             f"({stats.summary()}); use a larger file, a smaller eval_size, or a larger max_length"
         )
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-    held_out = set(order[:eval_size])
+    held_out = held_out_indices(len(examples), eval_size, seed)
     train = [e for i, e in enumerate(examples) if i not in held_out]
     evaluation = [e for i, e in enumerate(examples) if i in held_out]
     return train, evaluation, stats
+
+
+def held_out_indices(num_examples: int, eval_size: int, seed: int) -> set[int]:
+    """THE split rule: the first ``eval_size`` of a permutation seeded with ``seed`` alone."""
+    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed)).tolist()
+    return set(order[:eval_size])
 
 
 def collate(examples: list[Example], pad_id: int, packed: bool = False) -> dict[str, torch.Tensor]:

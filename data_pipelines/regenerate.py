@@ -1,0 +1,324 @@
+"""Regenerate every assistant turn of a conversation file with the target itself, resumably.
+
+    python -m data_pipelines.regenerate                              # configs/regenerate_sharegpt.yaml
+    python -m data_pipelines.regenerate source=my_chats.jsonl output=outputs/data/regenerated/mine \\
+        device=cuda concurrency=128 temperature=0.7 top_p=0.95
+
+The target (``target``: HF dir, .gguf or alias, loaded by ``torchspec.runtime.loading.load_engine``;
+``device=auto``: CUDA in bf16 if there is one, else CPU in fp32) answers every user turn again,
+turn by turn with its own earlier replies as context (``turns.py``), with continuous batching over
+``concurrency`` requests; plain decoding by default, speculative with ``drafter=<export>`` (lossless).
+The output directory is ``torchspec.data.regenerated``'s layout: JSONL shards in the input's own
+format (ids and other fields kept), each written atomically with a sidecar, and ``generation.json``
+(target, fingerprint, sampling, limits, seed, dtype, date, torchspec version).
+
+Resume: shard k holds input records [k * shard_size, (k + 1) * shard_size); a rerun verifies every
+shard, reports and regenerates a corrupted one, skips the conversations of the intact ones, and does
+nothing when generation.json says complete and every shard is intact. A rerun with settings that
+change the output (``IDENTITY_KEYS``) is refused; ``concurrency``, ``device`` and ``drafter`` may change.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import closing
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import MISSING
+from tqdm import tqdm
+
+from data_pipelines.config import run_pipeline
+from data_pipelines.turns import Conversation, TurnRegenerator
+from torchspec.cli import check_at_least
+from torchspec.data.formats import SkipStats
+from torchspec.data.regenerated import (
+    GENERATION_FILE,
+    REGENERATED_FORMAT,
+    CorruptShard,
+    iter_records,
+    read_generation,
+    sidecar_path,
+    source_identity,
+    verify_shard,
+    with_messages,
+    write_shard,
+)
+from torchspec.io import atomic_write_text
+from torchspec.runtime.sampling import SamplingParams
+
+PROG = "data_pipelines.regenerate"
+# Settings that change what is generated: a rerun into an existing output must keep them.
+IDENTITY_KEYS = ("format", "max_conversations", "shard_size", "max_new_tokens", "max_context", "temperature",
+                 "top_p", "top_k", "seed")
+
+
+@dataclass
+class RegenerateConfig:
+    target: str = "smollm2"  # HF checkpoint dir, .gguf file or alias
+    drafter: str | None = None  # a torchspec export: speculative decoding (greedy output = plain output)
+    source: str = "sharegpt"  # conversation file (ShareGPT / OpenAI JSONL or JSON array) or "sharegpt"
+    format: str = "auto"  # auto | messages | sharegpt
+    output: str = MISSING  # the output directory (torchspec-train / data_pipelines.prepare data.path=<output>)
+    max_conversations: int | None = None  # regenerate the first N records of the source only
+    shard_size: int = 256  # records per shard (the unit a rerun skips or regenerates)
+    concurrency: int = 64  # requests in flight
+    max_new_tokens: int = 1024  # per assistant turn
+    max_context: int = 4096  # prompt + reply tokens; a turn whose prompt does not fit ends the conversation
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    device: str = "auto"  # auto (cuda if available) | cuda | cpu
+    dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
+    chat_template: str | None = None  # Jinja template overriding the tokenizer's
+    page_size: int = 16
+    cache_dir: str = "~/.cache/torchspec"
+
+
+def check_config(cfg: RegenerateConfig) -> SamplingParams:
+    for key, low in (("shard_size", 1), ("concurrency", 1), ("max_new_tokens", 1), ("max_context", 2),
+                     ("page_size", 1), ("max_conversations", 1)):
+        check_at_least(key, getattr(cfg, key), low)
+    if cfg.format not in ("auto", "messages", "sharegpt"):
+        raise ValueError(f"format={cfg.format!r} is not one of ['auto', 'messages', 'sharegpt'].")
+    if cfg.device not in ("auto", "cpu") and not cfg.device.startswith("cuda"):
+        raise ValueError(f"device={cfg.device!r}: pass auto, cpu or cuda[:N].")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={cfg.device}: no CUDA device is visible here; pass device=cpu or device=auto.")
+    if cfg.dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"dtype={cfg.dtype!r} is not one of ['auto', 'float32', 'bfloat16'].")
+    if cfg.drafter is not None:
+        from torchspec.runtime.cli import check_drafter_export
+
+        check_drafter_export(cfg.drafter)
+    sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    sampling.validate()
+    return sampling
+
+
+def identity_of(cfg: RegenerateConfig, target_path: str, tokenizer, dtype: torch.dtype) -> dict:
+    """What decides the output, compared with generation.json when a run resumes."""
+    config_json = Path(target_path) / "config.json"
+    return {"target_config_sha256": hashlib.sha256(config_json.read_bytes()).hexdigest(),
+            "source": source_identity(cfg.source), "dtype": str(dtype).removeprefix("torch."),
+            "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
+            **{k: getattr(cfg, k) for k in IDENTITY_KEYS}}
+
+
+def intact_shards(out: Path) -> set[int]:
+    """Shards that verify; a corrupted one is reported by name and removed (it will be regenerated)."""
+    intact = set()
+    for leftover in out.glob(".shard_*"):  # temporaries of a writer that was killed
+        leftover.unlink()
+    for shard in sorted(out.glob("shard_*.jsonl")):
+        try:
+            verify_shard(shard)
+            intact.add(int(shard.stem.split("_")[1]))
+        except CorruptShard as err:
+            print(f"{err}: regenerating it", flush=True)
+            shard.unlink()
+            sidecar_path(shard).unlink(missing_ok=True)
+    return intact
+
+
+class ShardBook:
+    """Collects finished conversations by record index and writes shard k once every record of it is
+    resolved (regenerated or skipped) and no later record can belong to it."""
+
+    def __init__(self, out: Path, shard_size: int, fmt: str):
+        self.out, self.size, self.fmt = out, shard_size, fmt
+        self.records: Counter[int] = Counter()  # records seen, per open shard
+        self.done: dict[int, dict[int, Conversation | str]] = {}  # shard -> record index -> conversation | skip
+        self.closed_below = 0  # shards < this can get no more records
+
+    def saw(self, index: int) -> None:
+        shard = index // self.size
+        self.records[shard] += 1
+        self.done.setdefault(shard, {})
+        self._close_below(shard)
+
+    def resolve(self, index: int, outcome: Conversation | str) -> None:
+        self.done[index // self.size][index] = outcome
+        self._flush()
+
+    def finish_input(self) -> None:
+        self._close_below(max(self.records, default=-1) + 1)
+
+    def _close_below(self, shard: int) -> None:
+        self.closed_below = max(self.closed_below, shard)
+        self._flush()
+
+    def _flush(self) -> None:
+        for shard in sorted(k for k in self.done if k < self.closed_below and len(self.done[k]) == self.records[k]):
+            self._write(shard, self.done.pop(shard))
+            del self.records[shard]
+
+    def _write(self, shard: int, outcomes: dict[int, Conversation | str]) -> None:
+        records, skipped, finish, turns, tokens = [], Counter(), Counter(), 0, 0
+        for index in sorted(outcomes):
+            outcome = outcomes[index]
+            if isinstance(outcome, str):
+                skipped[outcome] += 1
+                continue
+            if outcome.stopped:
+                skipped[f"stopped_{outcome.stopped}" if outcome.replies else outcome.stopped] += 1
+            if outcome.replies:
+                records.append(with_messages(outcome.record, outcome.output(), self.fmt))
+            finish.update(outcome.finish_reasons)
+            turns, tokens = turns + len(outcome.replies), tokens + outcome.generated_tokens
+        write_shard(self.out, shard, records, {
+            "first_record": shard * self.size, "records": len(outcomes), "ids": [r.get("id") for r in records],
+            "skipped": dict(skipped), "turns": turns, "generated_tokens": tokens, "finish_reasons": dict(finish)})
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def regenerate(cfg: RegenerateConfig, engine=None) -> Path:
+    """Regenerate into ``cfg.output`` (resuming it); ``engine``: an already built engine (tests)."""
+    from torchspec.runtime.loading import resolve_dtype
+    from torchspec.targets import load_tokenizer, resolve_target_path
+
+    sampling = check_config(cfg)
+    out = Path(cfg.output)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    target_path = resolve_target_path(cfg.target, os.path.expanduser(cfg.cache_dir))
+    tokenizer = engine.tokenizer if engine is not None else load_tokenizer(target_path)
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = cfg.chat_template
+    identity = identity_of(cfg, target_path, tokenizer, dtype)
+    generation = open_output(out, identity)
+    intact = intact_shards(out)
+    if generation is not None and generation.get("complete") and \
+            all(int(Path(name).stem.split("_")[1]) in intact for name in generation["shards"]):
+        print(f"regeneration in {out} is complete ({generation['conversations']} conversations in "
+              f"{len(generation['shards'])} shards); nothing to do", flush=True)
+        return out
+
+    if engine is None:
+        engine = build_engine(cfg, target_path, device, dtype)
+    assert engine.max_context == cfg.max_context, "the engine must have the config's max_context"
+    record = start_record(out, cfg, identity, generation, engine, target_path)
+    started = time.perf_counter()
+    counted = regenerate_shards(cfg, engine, tokenizer, sampling, out, intact)
+    elapsed = time.perf_counter() - started
+    finish_generation(out, record)
+    print(f"regenerated {counted['conversations']} conversations ({counted['turns']} turns, {counted['tokens']} "
+          f"tokens) in {elapsed:.1f} s: {counted['conversations'] / elapsed:.2f} conversations/s, "
+          f"{counted['tokens'] / elapsed:.1f} tokens/s -> {out}", flush=True)
+    return out
+
+
+def open_output(out: Path, identity: dict) -> dict | None:
+    """The output's generation.json (None for a new output), refused if it was made with other settings."""
+    if (out / GENERATION_FILE).is_file():
+        generation = read_generation(out)
+        changed = [f"{k}={generation['identity'].get(k)!r} (this run: {v!r})"
+                   for k, v in identity.items() if generation["identity"].get(k) != v]
+        if changed:
+            raise ValueError(f"output={out} was generated with other settings: {'; '.join(changed)}; rerun with "
+                             f"the settings of {out / GENERATION_FILE} or choose another output.")
+        return generation
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        raise ValueError(f"output={out} exists and is not a regeneration output; choose another output.")
+    out.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def build_engine(cfg: RegenerateConfig, target_path: str, device: torch.device, dtype: torch.dtype):
+    from torchspec.runtime.loading import load_engine
+
+    engine = load_engine(target_path, cfg.drafter, device=device, dtype=dtype, max_batch=cfg.concurrency,
+                         max_context=cfg.max_context, page_size=cfg.page_size, cache_dir=cfg.cache_dir)
+    if cfg.chat_template is not None:
+        engine.tokenizer.chat_template = cfg.chat_template
+    return engine
+
+
+def start_record(out: Path, cfg: RegenerateConfig, identity: dict, generation: dict | None, engine,
+                 target_path: str) -> dict:
+    """Check the target's weights against a resumed output's and write generation.json (complete=false)."""
+    from torchspec.runtime.loading import decoder_identity
+
+    fingerprint = decoder_identity(engine.decoder)["fingerprint"]
+    if generation is not None and generation.get("target_fingerprint", fingerprint) != fingerprint:
+        raise ValueError(f"output={out} was generated by a target with weights fingerprint "
+                         f"{generation['target_fingerprint']}, {cfg.target} has {fingerprint}; choose another output.")
+    record = {"format": REGENERATED_FORMAT, "version": 1, "identity": identity, "target": cfg.target,
+              "target_path": target_path, "target_fingerprint": fingerprint, "settings": asdict(cfg),
+              "created": (generation or {}).get("created", _now()), "updated": _now(),
+              "torchspec_version": importlib.metadata.version("torchspec"), "complete": False}
+    atomic_write_text(out / GENERATION_FILE, json.dumps(record, indent=1))
+    return record
+
+
+def regenerate_shards(cfg: RegenerateConfig, engine, tokenizer, sampling: SamplingParams, out: Path,
+                      intact: set[int]) -> Counter:
+    """Regenerate every record outside the ``intact`` shards and write their shards; returns counts."""
+    from torchspec.runtime.drafting import SpecConfig
+
+    engine.configure(spec=SpecConfig() if cfg.drafter is not None else None, seed=cfg.seed,
+                     concurrency=cfg.concurrency)
+    book, stats, counted = ShardBook(out, cfg.shard_size, cfg.format), SkipStats(), Counter()
+    started = time.perf_counter()
+
+    def to_do() -> Iterator[Conversation]:
+        with closing(iter_records(cfg.source, cfg.format, stats)) as records:
+            for index, (raw, messages, reason) in enumerate(records):
+                if cfg.max_conversations is not None and index >= cfg.max_conversations:
+                    break
+                if index // cfg.shard_size in intact:
+                    continue
+                book.saw(index)
+                if messages is None:
+                    book.resolve(index, reason)
+                    continue
+                yield Conversation(index, raw, messages)
+        book.finish_input()
+
+    regenerator = TurnRegenerator(engine, tokenizer, concurrency=cfg.concurrency, max_new_tokens=cfg.max_new_tokens,
+                                  sampling=sampling)
+    bar = tqdm(total=cfg.max_conversations, desc="regenerate", unit="conv", dynamic_ncols=True, mininterval=1)
+    with bar, closing(regenerator.run(to_do())) as finished:
+        for conversation in finished:
+            counted.update(conversations=1, turns=len(conversation.replies), tokens=conversation.generated_tokens)
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{counted['tokens'] / (time.perf_counter() - started):.0f}")
+            book.resolve(conversation.index, conversation)
+    book.finish_input()  # the input may end with records of intact shards only
+    return counted
+
+
+def finish_generation(out: Path, record: dict) -> None:
+    """Mark the output complete in generation.json, with the shard list and totals from the sidecars."""
+    shards = sorted(out.glob("shard_*.jsonl"))
+    sidecars = [json.loads(sidecar_path(s).read_text()) for s in shards]
+    if not any(s["conversations"] for s in sidecars):
+        raise ValueError(f"source={record['settings']['source']}: not one conversation could be regenerated "
+                         f"({[s['skipped'] for s in sidecars]}); check the file and max_context.")
+    totals = Counter()
+    for s in sidecars:
+        totals.update(records=s["records"], conversations=s["conversations"], turns=s["turns"],
+                      generated_tokens=s["generated_tokens"])
+        totals.update({f"skipped_{k}": v for k, v in s["skipped"].items()})
+    record = {**record, "complete": True, "finished": _now(), "shards": [s.name for s in shards], **totals}
+    atomic_write_text(out / GENERATION_FILE, json.dumps(record, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_pipeline(PROG, __doc__, RegenerateConfig, "regenerate_sharegpt", regenerate, argv)
+
+
+if __name__ == "__main__":
+    main()
