@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from torchspec.runtime.drafter_runner import DrafterRunner
-from torchspec.runtime.paged_kv import PagedKVCache, build_attention_meta
+from torchspec.runtime.paged_kv import TRASH_PAGE, AttentionMeta, PagedKVCache, slots_for_positions
 from torchspec.runtime.sampling import RowSampling, SamplingParams, process_logits, sample_without_replacement
 from torchspec.runtime.tree import DraftTree
 
@@ -134,14 +134,22 @@ def _top(runner: DrafterRunner, normed: torch.Tensor, k: int, params: SamplingPa
 
 
 class _DraftWriter:
-    """Runs the drafter on successive frontiers, tracking each frontier node's draft ancestors."""
+    """Runs the drafter on successive frontiers, tracking each frontier node's draft ancestors.
+
+    The cache slots of every draft node of the round are looked up once (``slots``, [B, total]);
+    each depth takes the next ``f`` of them, so a depth adds no block-table arithmetic."""
 
     def __init__(self, runner: DrafterRunner, cache: PagedKVCache, inputs: DraftInputs, total_slots: int):
         self.runner, self.cache, self.inp = runner, cache, inputs
         b = inputs.root.shape[0]
-        self.anc = torch.zeros(b, 0, total_slots, dtype=torch.bool, device=inputs.root.device)
+        dev = inputs.root.device
+        self.anc = torch.zeros(b, 0, total_slots, dtype=torch.bool, device=dev)
         self.written = 0
         self.total = total_slots
+        slots = slots_for_positions(inputs.block_table, inputs.ctx_len[:, None] + torch.arange(total_slots, device=dev),
+                                    cache.page_size)
+        self.slots = torch.where(inputs.row_valid[:, None], slots, torch.full_like(slots, TRASH_PAGE * cache.page_size))
+        self.anchor = inputs.ctx_len - 1  # n: the last committed position
 
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, parent_rows: torch.Tensor | None,
             depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,10 +164,10 @@ class _DraftWriter:
             own = own | torch.gather(self.anc, 1, parent_rows[:, :, None].expand(b, f, self.total))
         self.anc = own
         width = self.written + f
-        n = inp.ctx_len - 1
-        meta = build_attention_meta(inp.block_table, inp.ctx_len, own[:, :, :width], self.cache.page_size,
-                                    anchor=n[:, None].expand(b, f), window=self.runner.window,
-                                    row_valid=inp.row_valid)
+        n = self.anchor
+        meta = AttentionMeta(write_slots=self.slots[:, self.written:width], block_table=inp.block_table,
+                             ctx_len=inp.ctx_len, anchor=n[:, None].expand(b, f), tree_mask=own[:, :, :width],
+                             page_size=self.cache.page_size, window=self.runner.window)
         positions = (n + depth)[:, None].expand(b, f)
         out = self.runner.forward(tokens, hidden, positions, self.cache, meta)
         self.written = width
