@@ -39,12 +39,11 @@ from tqdm import tqdm
 from data_pipelines.config import run_pipeline
 from data_pipelines.turns import Conversation, TurnRegenerator
 from torchspec.cli import check_at_least
-from torchspec.data.formats import SkipStats
+from torchspec.data.formats import SkipStats, iter_records
 from torchspec.data.regenerated import (
     GENERATION_FILE,
     REGENERATED_FORMAT,
     CorruptShard,
-    iter_records,
     read_generation,
     sidecar_path,
     source_identity,

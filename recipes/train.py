@@ -28,8 +28,9 @@ from tqdm import tqdm
 
 from torchspec.cli import user_errors
 from torchspec.config import Config, validate_against_target
-from torchspec.data import ResumableBatchSampler, build_datasets, collate, shard_for_rank
+from torchspec.data import Example, ResumableBatchSampler, build_datasets, collate, shard_for_rank
 from torchspec.data.packing import pack_examples
+from torchspec.data.prepared import is_prepared_dir, load_train_rows, read_manifest
 from torchspec.distributed import DistInfo, barrier, build_mesh, init_distributed, is_rank0, seed_everything
 from torchspec.export.serving import export_drafter, is_export, load_exported_drafter, target_identity
 from torchspec.models import build_drafter
@@ -68,6 +69,15 @@ def build_target(cfg: Config, info: DistInfo, mesh) -> tuple[TargetDecoder, str,
     target = TargetDecoder.from_pretrained(path, aux_layer_ids=aux_ids, dtype=dtype, device=info.device,
                                            tp_group=tp_group)
     return target, path, aux_ids
+
+
+def pack_train_set(data_path: str, train_set: list[Example], max_length: int) -> list[Example]:
+    """data.pack: several conversations per training row (the held-out set stays one per row). A prepared
+    directory packed at preparation already holds these rows, ``pack_examples`` of its training examples
+    with the same max_length (build_datasets checked its data.* values): they are read, not packed again."""
+    if is_prepared_dir(data_path) and read_manifest(data_path)["identity"]["data"]["pack"]:
+        return load_train_rows(data_path)
+    return pack_examples(train_set, max_length)
 
 
 def build_model(cfg: Config, target: TargetDecoder, aux_ids: list[int], train_set):
@@ -192,8 +202,8 @@ def train(raw: DictConfig) -> None:
         d.path, tokenizer, fmt=d.format, max_length=d.max_length, eval_size=d.eval_size, seed=d.seed,
         max_conversations=d.max_conversations, on_too_long=d.on_too_long, chat_template=d.chat_template)
     conversations = len(train_set)
-    if d.pack:  # several conversations per training row; the held-out set stays one per row
-        train_set = pack_examples(train_set, d.max_length)
+    if d.pack:
+        train_set = pack_train_set(d.path, train_set, d.max_length)
     global_batch = t.micro_batch_size * info.world_size  # every rank takes its own micro_batch_size rows
     sampler = ResumableBatchSampler(len(train_set), global_batch, seed=t.seed)
 

