@@ -12,7 +12,7 @@ Builds the controlled-acceptance pair of ``tools/bench_runtime_efficiency.py`` a
     head       the drafter head + log-softmax + top-k of one depth's frontier (inside ``draft``)
 
 Each graph is replayed 50 times (median, CUDA events) and its eager run is profiled once for the
-kernel count. ``round - (draft + verify + catch_up)`` is the acceptance, compaction and glue.
+kernel count and the top kernels by time (in the JSON). ``round - (draft + verify + catch_up)`` is the acceptance, compaction and glue.
 
     python tools/profile_round.py --shape qwen3-8b --batch 1 --ctx 512 --spec chain --depth 5 \\
         --json docs/bench/round_profile_qwen3_8b_h200.json
@@ -51,8 +51,8 @@ def graph_ms(fn, replays: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def kernel_count(fn) -> int:
-    """CUDA kernels one eager call of ``fn`` launches."""
+def kernel_profile(fn, top: int = 12) -> tuple[int, list[dict]]:
+    """(CUDA kernels one eager call of ``fn`` launches, its ``top`` kernels by time: name, ms, count)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -60,7 +60,14 @@ def kernel_count(fn) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name, [0.0, 0])
+        entry[0] += e.device_time / 1e3
+        entry[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return len(kernels), [{"name": k, "ms": v[0], "count": v[1]} for k, v in ranked]
 
 
 @torch.no_grad()
@@ -135,9 +142,10 @@ def main() -> None:
             })
         plain_ms = None
         for name, fn in phases.items():
-            ms, kernels = graph_ms(fn), kernel_count(fn)
+            ms, (kernels, top) = graph_ms(fn), kernel_profile(fn)
             plain_ms = plain_ms or ms
-            rows.append({"batch": b, "phase": name, "ms": ms, "plain_steps": ms / plain_ms, "kernels": kernels})
+            rows.append({"batch": b, "phase": name, "ms": ms, "plain_steps": ms / plain_ms, "kernels": kernels,
+                         "top_kernels": top})
             print(f"b={b:<3} {name:<16} {ms:8.3f} ms  {ms / plain_ms:5.2f} plain steps  {kernels:6d} kernels", flush=True)
     if args.json:
         out = {"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}
