@@ -7,11 +7,13 @@ A sequence's logical position ``j`` is stored at slot ``block_table[j // page_si
 Page 0 is the **trash page**: never handed to a sequence, it receives the writes of padding
 rows/tokens so every forward has a static shape (what CUDA graphs need).
 
-Attention over the cache (``paged_attention``) follows a compact description built once per
-forward by ``build_attention_meta`` (block table, committed lengths, anchors, window, tree mask). On
-CUDA the Triton kernels (``paged_attention_triton.py``) read each row's pages in place up to its
-length; the reference (CPU) gathers a row's pages into a contiguous ``[S = pages_per_row *
-page_size]`` key range and applies the same rule as a dense boolean mask. One mask rule serves
+A forward's new K/V go into the pools first (``write_kv``: keys and values in one Triton kernel on
+CUDA, ``kv_write_triton.py``; two ``index_copy_`` elsewhere). Attention over the cache
+(``paged_attention``) follows a compact description built once per forward by
+``build_attention_meta`` (block table, committed lengths, anchors, window, tree mask). On CUDA the
+Triton kernels (``paged_attention_triton.py``) read each row's pages in place up to its length;
+the reference (CPU) gathers a row's pages into a contiguous ``[S = pages_per_row * page_size]``
+key range and applies the same rule as a dense boolean mask. One mask rule serves
 prefill, plain decode, tree verification and the drafter's windowed attention:
 
     key j of row b is visible to query i  iff
@@ -224,14 +226,31 @@ def paged_attention(
     ``paged_attention_triton.py`` read pages in place up to each row's length; elsewhere (and for
     head sizes they do not take) the gather reference below.
     """
-    b, kvh, tq, d = k_new.shape
-    flat = meta.write_slots.reshape(-1)
-    k_pool.index_copy_(0, flat, k_new.transpose(1, 2).reshape(-1, kvh, d).to(k_pool.dtype))
-    v_pool.index_copy_(0, flat, v_new.transpose(1, 2).reshape(-1, kvh, d).to(v_pool.dtype))
+    write_kv(k_new, v_new, k_pool, v_pool, meta.write_slots)
     kernel = _triton_kernel() if q.is_cuda else None
     if kernel is not None and kernel.supports(q):
         return kernel.paged_attention_triton(q, k_pool, v_pool, meta, scale)
     return paged_attention_reference(q, k_pool, v_pool, meta, scale)
+
+
+def write_kv(k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k_new/v_new [B, kv_heads, Tq, D] into one layer's pools [slots, kv_heads, D] at flat ``slots`` [B, Tq]:
+    keys and values in one kernel on CUDA (``kv_write_triton.py``), else `write_kv_reference`."""
+    kernel = _kv_write_kernel() if k_new.is_cuda else None
+    if kernel is not None:
+        kernel.write_kv_triton(k_new, v_new, k_pool, v_pool, slots)
+    else:
+        write_kv_reference(k_new, v_new, k_pool, v_pool, slots)
+
+
+def write_kv_reference(k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+    """`write_kv` as two ``index_copy_`` (two kernels on a GPU)."""
+    b, kvh, tq, d = k_new.shape
+    flat = slots.reshape(-1)
+    k_pool.index_copy_(0, flat, k_new.transpose(1, 2).reshape(-1, kvh, d).to(k_pool.dtype))
+    v_pool.index_copy_(0, flat, v_new.transpose(1, 2).reshape(-1, kvh, d).to(v_pool.dtype))
 
 
 def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMeta,
@@ -256,3 +275,13 @@ def _triton_kernel():
     except ImportError:
         return None
     return paged_attention_triton
+
+
+@functools.cache
+def _kv_write_kernel():
+    """The Triton KV write, or None where Triton is not installed (imported on first CUDA use only)."""
+    try:
+        from torchspec.runtime import kv_write_triton
+    except ImportError:
+        return None
+    return kv_write_triton

@@ -52,9 +52,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchspec.attend import Attend, RecurrentMix
-from torchspec.targets.layers import MLP, OffsetRMSNorm, row_parallel
+from torchspec.targets.layers import MLP, OffsetRMSNorm, qk_norm_rope, qk_norm_rope_fused, row_parallel
 from torchspec.targets.loader import check_tp_size
-from torchspec.targets.rope import apply_rope, apply_rope_fused, rotary_dim
+from torchspec.targets.rope import rotary_dim
 
 Norm = OffsetRMSNorm  # the final norm's class (`TargetDecoder.norm`)
 LAYER_KINDS = {"linear_attention": "linear", "full_attention": "attention"}  # HF layer_types -> ours
@@ -311,16 +311,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=bias)
         self.q_norm = OffsetRMSNorm(a.head_dim, a.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(a.head_dim, a.rms_norm_eps)
-        self.fused = False  # serving on CUDA: RoPE as one kernel
+        self.fused = False  # serving on CUDA: q/k norm + RoPE of q and k as one kernel
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         a, (b, t, _) = self.a, x.shape
         q, gate = self.q_proj(x).view(b, t, a.num_heads, 2 * a.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q).transpose(1, 2)  # [B, heads, T, D]
-        k = self.k_norm(self.k_proj(x).view(b, t, a.num_kv_heads, a.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        rope = apply_rope_fused if self.fused else apply_rope
-        q, k = rope(q, cos, sin), rope(k, cos, sin)  # the leading rotary_dim dims
+        k = self.k_proj(x).view(b, t, a.num_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [B, kv_heads, T, D]
+        # (1 + w) norms per head, then RoPE on the leading rotary_dim dims; q, k -> [B, heads, T, D]
+        q, k = (qk_norm_rope_fused if self.fused else qk_norm_rope)(
+            q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, offset=True)
         out = attend(self.layer_index, q, k, v).transpose(1, 2).reshape(b, t, -1)  # [B, T, heads * D]
         return row_parallel(self.o_proj, out * torch.sigmoid(gate.reshape(b, t, -1)), self.group)
 
@@ -361,7 +361,8 @@ class SparseMoeBlock(nn.Module):
 
 class DecoderLayer(nn.Module):
     """``forward(x [B, T, H], cos, sin [B, 1, T, rotary_dim], attend) -> [B, T, H]``; a GDN layer uses
-    ``attend`` as its `RecurrentMix`, an attention layer as its `Attend`."""
+    ``attend`` as its `RecurrentMix`, an attention layer as its `Attend`. ``forward_pending``: serving's
+    form with each residual add inside the norm after it (see `torchspec.targets.llama.DecoderLayer`)."""
 
     def __init__(self, a: HybridArgs, layer_index: int, group: dist.ProcessGroup | None):
         super().__init__()
@@ -380,7 +381,17 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, MLP):
             self.mlp.fuse()
 
+    def mix(self, n: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        return self.linear_attn(n, attend) if self.linear else self.self_attn(n, cos, sin, attend)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        n = self.input_layernorm(x)
-        x = x + (self.linear_attn(n, attend) if self.linear else self.self_attn(n, cos, sin, attend))
+        x = x + self.mix(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_pending(self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor,
+                        attend: Attend) -> tuple[Tensor, Tensor, Tensor]:
+        """The stream in is ``x + delta`` (``x`` if delta is None); returns (stream in, x', delta'), the
+        stream out being ``x' + delta'``."""
+        stream, n = self.input_layernorm.add_norm(x, delta)
+        x, m = self.post_attention_layernorm.add_norm(stream, self.mix(n, cos, sin, attend))
+        return stream, x, self.mlp(m)

@@ -1,4 +1,6 @@
-"""Building blocks every target family shares: HF's RMSNorms and the row-parallel linear of TP.
+"""Building blocks every target family shares: HF's RMSNorms, the serving regions built on them
+(the residual add with the norm after it, the q/k norm with RoPE; one kernel each on CUDA:
+`torchspec.targets.fused_ops`) and the row-parallel linear of TP.
 
 Tensor parallelism is Megatron style and needs only one collective: a column-parallel linear
 (its output features split over the tp ranks) is a plain ``nn.Linear`` holding this rank's rows,
@@ -21,7 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchspec.targets.fused_ops import fused
+from torchspec.targets.fused_ops import ONE_LAUNCH, fused
+from torchspec.targets.rope import apply_rope
 
 # TP style -> {parameter name: the dim each rank holds 1/tp of}; parameters not listed are replicated.
 TP_STYLES: dict[str, dict[str, int]] = {
@@ -52,7 +55,34 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """A residual add and the RMSNorm after it: ``(x + delta, rms_norm(x + delta))``, the same ops as apart."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def add_offset_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`add_rms_norm` with Qwen3-Next / Qwen3.5's ``1 + weight`` norm."""
+    x = x + delta
+    return x, offset_rms_norm(x, weight, eps)
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None = None,
+                 k_weight: Tensor | None = None, eps: float = 0.0, offset: bool = False) -> tuple[Tensor, Tensor]:
+    """Attention's q/k chain: per-head RMSNorm when weights are given (Qwen3's q_norm / k_norm; ``offset``:
+    the ``1 + weight`` norm of the hybrid family), then RoPE (partial when cos/sin cover fewer dims).
+
+    q [B, T, heads, D], k [B, T, kv_heads, D]; cos, sin [B, 1, T, rotary_dim] -> q, k as [B, heads, T, D]."""
+    if q_weight is not None:
+        norm = offset_rms_norm if offset else rms_norm
+        q, k = norm(q, q_weight, eps), norm(k, k_weight, eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 rms_norm_fused, offset_rms_norm_fused, silu_mul_fused = fused(rms_norm), fused(offset_rms_norm), fused(silu_mul)
+add_rms_norm_fused, add_offset_rms_norm_fused = fused(add_rms_norm), fused(add_offset_rms_norm)
+qk_norm_rope_fused = fused(qk_norm_rope, ONE_LAUNCH)  # q and k: one combo kernel (see fused_ops)
 
 
 class RMSNorm(nn.Module):
@@ -64,6 +94,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return (rms_norm_fused if self.fused else rms_norm)(x, self.weight, self.eps)
+
+    def add_norm(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``(x + delta, self(x + delta))``: a residual add inside this norm (serving); delta None: ``(x, self(x))``."""
+        if delta is None:
+            return x, self(x)
+        return (add_rms_norm_fused if self.fused else add_rms_norm)(x, delta, self.weight, self.eps)
 
 
 class OffsetRMSNorm(nn.Module):
@@ -80,6 +116,13 @@ class OffsetRMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return (offset_rms_norm_fused if self.fused else offset_rms_norm)(x, self.weight, self.eps)
+
+    def add_norm(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``(x + delta, self(x + delta))``: a residual add inside this norm (serving); delta None: ``(x, self(x))``."""
+        if delta is None:
+            return x, self(x)
+        region = add_offset_rms_norm_fused if self.fused else add_offset_rms_norm
+        return region(x, delta, self.weight, self.eps)
 
 
 def row_parallel(linear: nn.Linear, x: Tensor, group: dist.ProcessGroup | None) -> Tensor:

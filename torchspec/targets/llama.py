@@ -33,9 +33,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from torchspec.attend import Attend
-from torchspec.targets.layers import MLP, RMSNorm, fuse_linears, row_parallel
+from torchspec.targets.layers import (
+    MLP,
+    RMSNorm,
+    fuse_linears,
+    qk_norm_rope,
+    qk_norm_rope_fused,
+    row_parallel,
+)
 from torchspec.targets.loader import check_tp_size
-from torchspec.targets.rope import apply_rope, apply_rope_fused, rope_parameters
+from torchspec.targets.rope import rope_parameters
 
 
 @dataclass(frozen=True)
@@ -155,7 +162,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
         self.qkv_proj: nn.Linear | None = None  # set by `fuse` (serving)
-        self.fused = False  # serving on CUDA: RoPE as one kernel
+        self.fused = False  # serving on CUDA: q/k norm + RoPE of q and k as one kernel
 
     def fuse(self) -> None:
         """One q|k|v GEMM instead of three (serving): the weights move into one tensor."""
@@ -171,18 +178,20 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(b, t, a.num_heads, a.head_dim)
         k = k.view(b, t, a.num_kv_heads, a.head_dim)
-        v = v.view(b, t, a.num_kv_heads, a.head_dim)
-        if a.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        rope = apply_rope_fused if self.fused else apply_rope
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        v = v.view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [B, kv_heads, T, D]
+        # Qwen3: per-head RMSNorm before RoPE; q, k -> [B, heads, T, D]
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if a.qk_norm else ()
+        q, k = (qk_norm_rope_fused if self.fused else qk_norm_rope)(q, k, cos, sin, *norms)
         out = attend(self.layer_index, q, k, v)  # [B, heads, T, D]
         return row_parallel(self.o_proj, out.transpose(1, 2).reshape(b, t, -1), self.group)
 
 
 class DecoderLayer(nn.Module):
-    """``forward(x [B, T, H], cos, sin [B, 1, T, D], attend) -> [B, T, H]``: the residual stream after the layer."""
+    """``forward(x [B, T, H], cos, sin [B, 1, T, D], attend) -> [B, T, H]``: the residual stream after the layer.
+
+    ``forward_pending`` is the same layer in serving's form (`TargetDecoder.forward` when fused): each
+    residual add is done inside the norm that follows it (`RMSNorm.add_norm`, one kernel on CUDA), so
+    the layer takes and returns the stream as ``x + delta`` with the add still pending."""
 
     def __init__(self, a: LlamaArgs, layer_index: int, group: dist.ProcessGroup | None):
         super().__init__()
@@ -198,3 +207,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_pending(self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor,
+                        attend: Attend) -> tuple[Tensor, Tensor, Tensor]:
+        """The stream in is ``x + delta`` (``x`` if delta is None); returns (stream in, x', delta'), the
+        stream out being ``x' + delta'``."""
+        stream, n = self.input_layernorm.add_norm(x, delta)
+        x, m = self.post_attention_layernorm.add_norm(stream, self.self_attn(n, cos, sin, attend))
+        return stream, x, self.mlp(m)

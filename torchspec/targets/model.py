@@ -14,16 +14,19 @@ One forward (`TargetDecoder.forward`) serves both worlds; only the `Attend` diff
     serving            decoder(ids, positions, PagedAttend(cache, meta),      paged KV cache
                                capture_layers=aux_ids) -> DecoderOutput
 
-so the drafter sees in serving exactly the numerics it saw in training. The forward has no host
-sync and no data-dependent Python branch (CUDA-graph friendly). ``logits(hidden)`` applies the
-lm_head separately, so callers decide which positions need ``[.., V]``.
+so the drafter sees in serving exactly the numerics it saw in training. A decoder fused for serving
+(`fuse_for_serving`) runs the same layers in their ``forward_pending`` form, each residual add inside
+the RMSNorm after it (same ops, one kernel per add + norm on CUDA; equal to the plain loop in fp32 on
+CPU). The forward has no host sync and no data-dependent Python branch (CUDA-graph friendly).
+``logits(hidden)`` applies the lm_head separately, so callers decide which positions need ``[.., V]``.
 
 Families: ``ARCHITECTURES`` maps a config's ``model_type`` to the module that implements its layers:
 `torchspec.targets.llama` (llama / mistral / qwen2 / qwen3) and `torchspec.targets.hybrid`
 (qwen3_next, and qwen3_5 whose text config is ``qwen3_5_text``). A family module provides
 ``decoder_args(config, tp_size)`` (validation, incl. `loader.check_tp_size`, and this shard's
-sizes), ``DecoderLayer(args, index, group)`` with ``forward(x, cos, sin, attend)``, ``TP_PLAN`` and
-``Norm`` (the final norm's class). The args say which layers are which (``layer_kinds``:
+sizes), ``DecoderLayer(args, index, group)`` with ``forward(x, cos, sin, attend)`` and its serving
+form ``forward_pending(x, delta, cos, sin, attend)``, ``TP_PLAN`` and ``Norm`` (the final norm's
+class, with ``add_norm``). The args say which layers are which (``layer_kinds``:
 "attention" | "linear") and, for hybrids, the per-shard GDN state sizes (``recurrent``, a
 `hybrid.RecurrentShape`; None for llama) that serving allocates; `TargetDecoder.attention_layer_ids`
 / ``linear_layer_ids`` list them.
@@ -113,6 +116,7 @@ class TargetDecoder(nn.Module):
         with torch.device("cpu"):  # real tables even when the rest is built on meta
             self.rope = RopeTables.from_config(config)
         self._eos_token_ids = _eos_ids(getattr(config, "eos_token_id", None))
+        self.fused = False  # serving (`fuse_for_serving`): residual adds inside the norms (`forward`)
         self.requires_grad_(False)
         self.eval()
 
@@ -148,8 +152,9 @@ class TargetDecoder(nn.Module):
         return model
 
     def fuse_for_serving(self) -> TargetDecoder:
-        """Serving only, once after loading: q|k|v and gate|up as one GEMM each (`layers.fuse_linears`)
-        and, on CUDA, the elementwise chains (RMSNorm, RoPE, SwiGLU) as one kernel each
+        """Serving only, once after loading: q|k|v and gate|up as one GEMM each (`layers.fuse_linears`),
+        each residual add done inside the RMSNorm after it (`forward`) and, on CUDA, the elementwise
+        chains (residual add + RMSNorm, q/k norm + RoPE of q and k, SwiGLU) as one kernel each
         (`torchspec.targets.fused_ops`). Outputs agree with the unfused decoder to rounding; training
         capture never calls it (it stays bit-identical to the transformers oracle). Idempotent."""
         for layer in self.layers:
@@ -177,11 +182,22 @@ class TargetDecoder(nn.Module):
         cos, sin = self.rope(positions, h.dtype)  # [B, T, D]
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         captured: dict[int, Tensor] = {}
+        if not self.fused:  # HF's op order (training capture: bit-equal to the transformers oracle)
+            for i, layer in enumerate(self.layers):
+                h = layer(h, cos, sin, attend)
+                if i in capture_layers:
+                    captured[i] = h
+            return DecoderOutput(hidden=self.norm(h), aux=[captured[i] for i in capture_layers])
+        # Serving: every residual add runs inside the norm after it (one kernel each on CUDA), so the
+        # stream is carried as h + delta; layer i's forward_pending returns the stream after layer i - 1.
+        delta = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, attend)
-            if i in capture_layers:
-                captured[i] = h
-        return DecoderOutput(hidden=self.norm(h), aux=[captured[i] for i in capture_layers])
+            stream, h, delta = layer.forward_pending(h, delta, cos, sin, attend)
+            if i - 1 in capture_layers:
+                captured[i - 1] = stream
+        stream, hidden = self.norm.add_norm(h, delta)
+        captured[self.num_layers - 1] = stream
+        return DecoderOutput(hidden=hidden, aux=[captured[i] for i in capture_layers])
 
     @torch.no_grad()
     def capture(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,

@@ -3,7 +3,8 @@
 ``RopeTables.from_config(config)`` reads the checkpoint's RoPE settings and computes the inverse
 frequencies once; ``tables(positions, dtype)`` then gives ``cos, sin : [*positions.shape, head_dim]``
 for integer positions of any shape (prefill, decode, or per-node tree positions), and
-``apply_rope(x, cos, sin)`` rotates with HF Llama's rotate-half convention. With a
+``apply_rope(x, cos, sin)`` rotates with HF Llama's rotate-half convention (serving runs it inside
+`torchspec.targets.layers.qk_norm_rope`: q and k in one kernel on CUDA). With a
 ``partial_rotary_factor`` < 1 (Qwen3-Next / Qwen3.5: 0.25) the tables cover only the leading
 ``rotary_dim`` dims of a head and `apply_rope` passes the rest through; which families accept a
 partial factor is each family's ``decoder_args`` business (the Llama family refuses it).
@@ -35,8 +36,6 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-
-from torchspec.targets.fused_ops import fused
 
 DEFAULT_THETA = 10_000.0
 
@@ -196,5 +195,3 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat(((x_rot * cos) + (rotate_half(x_rot) * sin), x_pass), dim=-1)
 
-
-apply_rope_fused = fused(apply_rope)  # serving on CUDA: one kernel per call (`torchspec.targets.fused_ops`)
