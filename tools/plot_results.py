@@ -160,6 +160,59 @@ def plot_serving(attention: Path, unfused: Path, fused: Path, out: Path) -> None
     plt.close(fig)
 
 
+def plot_round(profiles: list[tuple[str, Path]], out: Path) -> None:
+    """A speculation round's phases (tools/profile_round.py) in plain decode steps: draft, verify,
+    catch-up, the rest (acceptance, compaction, glue), for each profile, mode and batch size <= 8."""
+    fig, ax = plt.subplots(figsize=(11, 4.6))
+    labels, x = [], 0
+    colors = {"draft": "tab:orange", "verify": "tab:blue", "catch_up": "tab:green", "rest": "tab:gray"}
+    for name, src in profiles:
+        rows = [r for r in json.loads(src.read_text())["rows"] if r["batch"] <= 8]
+        start = x
+        for batch in sorted({r["batch"] for r in rows}):
+            for mode in ("chain", "tree"):
+                phase = {r["phase"].split(".")[-1]: r["plain_steps"] for r in rows
+                         if r["batch"] == batch and r["phase"].startswith(mode + ".")}
+                if not phase:
+                    continue
+                parts = {k: phase[k] for k in ("draft", "verify", "catch_up")}
+                parts["rest"] = max(phase["round"] - sum(parts.values()), 0.0)
+                bottom = 0.0
+                for k, v in parts.items():
+                    ax.bar(x, v, 0.7, bottom=bottom, color=colors[k], label=k if x == 0 else None)
+                    bottom += v
+                ax.text(x, bottom + 0.03, f"{phase['round']:.2f}", ha="center", fontsize=7)
+                labels.append(f"{mode}\nb={batch}")
+                x += 1
+        ax.text((start + x - 1) / 2, 2.8, name, ha="center", fontsize=9, weight="bold")
+        x += 0.5
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.15, color="tab:red", ls="--", lw=1, label="issue 13 target (chain, c=1/8)")
+    ax.set_xticks(_bar_positions(profiles), labels, fontsize=7)
+    ax.set_ylim(0, 3.3)
+    ax.set_ylabel("plain decode steps per round")
+    ax.set_title("a speculation round's phases, each its own CUDA graph (H200, bf16, ctx 512; chain depth 5, "
+                 "tree 16 nodes)")
+    ax.legend(fontsize=7, loc="upper center", ncol=5)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _bar_positions(profiles: list[tuple[str, Path]]) -> list[float]:
+    """x of every bar plot_round draws (the same walk, without drawing)."""
+    xs, x = [], 0.0
+    for _, src in profiles:
+        rows = [r for r in json.loads(src.read_text())["rows"] if r["batch"] <= 8]
+        for batch in sorted({r["batch"] for r in rows}):
+            for mode in ("chain", "tree"):
+                if any(r["batch"] == batch and r["phase"].startswith(mode + ".") for r in rows):
+                    xs.append(x)
+                    x += 1
+        x += 0.5
+    return xs
+
+
 if __name__ == "__main__":
     bench, img = ROOT / "docs" / "bench", ROOT / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -177,4 +230,9 @@ if __name__ == "__main__":
         plot_runtime(efficiency, bench / "runtime_smollm2.json", img / "runtime_speedup.png")
     if (bench / "drafter_step_h200.json").exists():
         plot_drafter_step(bench / "drafter_step_h200.json", img / "drafter_step.png")
+    rounds = [("Qwen3-8B before", bench / "round_profile_qwen3_8b_before_h200.json"),
+              ("Qwen3-8B now", bench / "round_profile_qwen3_8b_h200.json"),
+              ("SmolLM2 now", bench / "round_profile_smollm2_h200.json")]
+    if all(p.exists() for _, p in rounds):
+        plot_round(rounds, img / "round_cost.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))
