@@ -23,8 +23,8 @@ A hybrid target (Gated DeltaNet layers) also keeps a recurrent state per slot
 (``torchspec/runtime/recurrent_state.py``): a prompt's first chunk starts from zero state (prefill
 never reads the slot's previous contents), later chunks continue it, and every step commits the
 state of the tokens it commits. That state is not paged, so prefix caching is off for such targets.
-Since committing is not idempotent, the first call of a CUDA graph (two warm-up runs and a replay,
-``graphs.py``) is made with every row invalid, which commits nothing.
+Since committing is not idempotent, a CUDA graph's warm-up runs (``graphs.py``) see every row
+invalid, which commits nothing.
 """
 
 from __future__ import annotations
@@ -91,7 +91,6 @@ class SpeculativeEngine:
         if cuda_graphs and dev.type != "cuda":
             raise ValueError("cuda_graphs=True needs the engine on a CUDA device.")
         self.graphs = StepGraphs() if cuda_graphs else None
-        self._graph_keys: set = set()  # keys whose graph has been made (hybrid targets: see the docstring)
         self.configure()
 
     # --- request API ------------------------------------------------------------------------------
@@ -295,19 +294,10 @@ class SpeculativeEngine:
             self.scheduler.commit(i, tokens[j][: counts[j]])
 
     def _run_graph(self, key, step, args: dict):
-        """``graphs.run``; a hybrid target's first call of ``key`` runs with every row invalid first,
-        so the capture's warm-up runs and first replay commit no recurrent state (nor RNG draws)."""
-        if self.caches.recurrent is not None and key not in self._graph_keys:
-            idle = dict(args)
-            if "valid" in idle:
-                idle["valid"] = torch.zeros_like(args["valid"])
-            else:
-                idle["inp"] = dataclasses.replace(args["inp"], row_valid=torch.zeros_like(args["inp"].row_valid))
-            rng = torch.cuda.get_rng_state()
-            self.graphs.run(key, step, idle)
-            torch.cuda.set_rng_state(rng)
-        self._graph_keys.add(key)
-        return self.graphs.run(key, step, args)
+        """``graphs.run``; a hybrid target's graph is captured on idle inputs (every row invalid), so
+        its warm-up runs commit no recurrent state (``graphs.py``)."""
+        return self.graphs.run(key, step, args, capture_inputs=_all_rows_invalid if self.caches.recurrent is not None
+                               else None)
 
     # --- helpers ----------------------------------------------------------------------------------
 
@@ -333,6 +323,16 @@ class SpeculativeEngine:
     @property
     def total_pages(self) -> int:
         return self.allocator.capacity
+
+
+def _all_rows_invalid(args: dict) -> dict:
+    """A step's inputs with every row invalid: running it writes nothing (CUDA-graph warm-ups)."""
+    idle = dict(args)
+    if "valid" in idle:
+        idle["valid"] = torch.zeros_like(args["valid"])
+    else:
+        idle["inp"] = dataclasses.replace(args["inp"], row_valid=torch.zeros_like(args["inp"].row_valid))
+    return idle
 
 
 __all__ = ["GenerationResult", "SpeculativeEngine"]

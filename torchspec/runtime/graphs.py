@@ -9,7 +9,9 @@ mid-size targets.
 
 Capturing runs the step twice first (warm-up on a side stream, as torch requires). That is safe
 on live caches: a step only writes KV positions >= each row's committed length, which the real
-replay rewrites. Random draws inside a graph come from the default CUDA generator (graph-safe:
+replay rewrites. A step whose effects are not idempotent (a hybrid target commits recurrent state)
+passes ``capture_inputs``: the warm-ups run on inputs that make it a no-op (every row invalid), and
+the first real call is the first replay. Random draws inside a graph come from the default CUDA generator (graph-safe:
 each replay advances its offset), seeded by the engine per ``generate`` call. A step that cannot
 be captured (e.g. an op that syncs) falls back to eager execution, once, with a warning.
 """
@@ -53,15 +55,16 @@ class StepGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(self, key, fn: Callable, inputs: dict):
+    def run(self, key, fn: Callable, inputs: dict, capture_inputs: Callable[[dict], dict] | None = None):
         """fn(**inputs) through a CUDA graph captured for ``key`` (inputs: tensors or dataclasses of
-        tensors with the same shapes on every call for that key)."""
+        tensors with the same shapes on every call for that key). ``capture_inputs(inputs)``, if
+        given, is what the capture's warm-up runs see instead (module docstring)."""
         if key in self._failed:
             return fn(**inputs)
         entry = self._graphs.get(key)
         if entry is None:
             try:
-                entry = self._capture(fn, inputs)
+                entry = self._capture(fn, capture_inputs(inputs) if capture_inputs is not None else inputs)
             except Exception as e:  # noqa: BLE001 - any capture failure means: run this step eagerly
                 log.warning("CUDA graph capture failed for %s (%s: %s); running it eagerly.", key,
                             type(e).__name__, e)
