@@ -153,34 +153,21 @@ def bytes_per_plain_step(engine, concurrency: int, mean_ctx: float) -> float:
     return weights + concurrency * mean_ctx * kv_per_token
 
 
-def count_rounds(engine) -> list[int]:
-    """Wrap ``engine._round`` to count engine rounds (batched steps): [count] updated in place."""
-    counter = [0]
-    inner = engine._round
-
-    def counted(*args, **kwargs):
-        counter[0] += 1
-        return inner(*args, **kwargs)
-
-    engine._round = counted
-    return counter
-
-
 def measure(engine, prompts, spec, max_new: int, concurrency: int) -> dict:
     engine.generate(prompts[:concurrency], max_new_tokens=8, spec=spec, ignore_eos=True, concurrency=concurrency)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    counter = count_rounds(engine)
+    rounds_before = engine.decode_rounds
     t0 = time.perf_counter()
     out = engine.generate(prompts, max_new_tokens=max_new, spec=spec, ignore_eos=True, concurrency=concurrency)
     wall = time.perf_counter() - t0
-    del engine._round  # back to the class method
+    engine_rounds = engine.decode_rounds - rounds_before
     prefill = sum(r.prefill_s for r in out)
     tokens = sum(len(r.token_ids) - 1 for r in out)
     rounds = sum(len(r.accept_lengths) for r in out)
     return {"tokens_per_s": tokens / (wall - prefill), "mean_acceptance": sum(map(sum, (r.accept_lengths for r in out)))
             / max(rounds, 1), "decode_s": wall - prefill, "tokens": tokens, "round_ms": 1e3 * (wall - prefill)
-            / max(counter[0], 1), "outputs": [r.token_ids for r in out]}
+            / max(engine_rounds, 1), "outputs": [r.token_ids for r in out]}
 
 
 def main() -> None:

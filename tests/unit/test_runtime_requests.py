@@ -153,3 +153,15 @@ def test_zero_max_new_tokens_and_bad_requests(engine):
     with pytest.raises(ValueError, match="empty"):
         engine.submit([])
     assert not engine.has_work and torch.equal(engine.block_table, torch.zeros_like(engine.block_table))
+
+
+def test_decode_rounds_counts_batched_rounds(engine):
+    """``decode_rounds`` (what the benchmarks divide decode time by): one per step that ran rows --
+    a plain request of n tokens takes n - 1 (its first token comes from prefill), and requests that
+    run side by side share their rounds."""
+    before = engine.decode_rounds
+    engine.generate([prompts(1)[0]], max_new_tokens=6, ignore_eos=True)
+    assert engine.decode_rounds - before == 5
+    before = engine.decode_rounds
+    engine.generate(prompts(3), max_new_tokens=6, ignore_eos=True, concurrency=3)
+    assert engine.decode_rounds - before == 5

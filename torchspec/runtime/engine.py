@@ -91,6 +91,7 @@ class SpeculativeEngine:
         if cuda_graphs and dev.type != "cuda":
             raise ValueError("cuda_graphs=True needs the engine on a CUDA device.")
         self.graphs = StepGraphs() if cuda_graphs else None
+        self.decode_rounds = 0  # decode rounds run so far (batched: one per step with running rows)
         self.configure()
 
     # --- request API ------------------------------------------------------------------------------
@@ -259,6 +260,7 @@ class SpeculativeEngine:
         """One decode round (speculation, or a plain step) over ``rows``; with CUDA graphs every slot
         runs, the others as invalid rows, so one static shape serves all rounds."""
         t0 = time.perf_counter()
+        self.decode_rounds += 1
         slots, spec = self.scheduler.slots, self.spec
         active = list(range(self.scheduler.concurrency)) if self.graphs is not None else rows
         chosen = set(rows)
