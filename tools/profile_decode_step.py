@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 def main() -> None:
     from bench_runtime_efficiency import build_engine, bytes_per_plain_step, copy_rate_bytes_per_s
+    from profile_round import graph_ms as graph_replay_ms
 
     from torchspec.runtime.sampling import SamplingParams
     from torchspec.runtime.steps import plain_step
@@ -53,21 +54,7 @@ def main() -> None:
     def step():
         return plain_step(engine.decoder, engine.caches, engine.block_table[:b], ctx, root, valid, params, None)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(50):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    graph_ms = sorted(times)[len(times) // 2]
+    graph_ms = graph_replay_ms(step)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
