@@ -1,0 +1,443 @@
+"""Served vs simulated acceptance of drafter exports on held-out prompts (issue 15, parts 3 and 5).
+
+For one target and one or more drafter exports, on held-out prompt sets:
+
+1. **Held-out conversations with the target's own responses.** Every prompt is answered by the
+   target with plain greedy decoding through the bundled runtime (``--max-new-tokens``), cached in
+   ``<out>.responses.jsonl`` beside ``--out`` (rewritten atomically after each prompt set) and reused
+   by any later run with the same target weights, dtype, device type, chat template and token
+   limit; a garbled line is named and its prompt answered again (``tools/quality_responses.py``).
+2. **Simulated acceptance at depth K** (``--depth``; ``tools/quality_simulated.py``): the
+   training-time held-out metric, computed by the trainer's own code. The conversations (user turn + the target's reply) go through the
+   trainer's ``tokenize_conversation`` and ``collate``; ``torchspec.train.step.evaluate`` runs the
+   target's ``capture`` and the drafter's TTT unroll (``ttt_unroll`` inside a "none"
+   ``TrainingEngine``; bf16 when serving is bf16, as training on a GPU) with ``num_steps = K``:
+   ``simulated_acceptance = eval/acceptance_length = 1 + sum_k prod_{i<=k} acc_i``.
+3. **Served acceptance and speedup**: ``SpeculativeEngine`` on the same prompt ids: greedy chain of
+   depth K (``chain``), greedy dynamic tree of depth K (``tree``; ``--tree-topk``, ``--tree-nodes``)
+   and the T = 1 sampled tree (``sampled_tree``; ``--branching``) at each ``--concurrency``, against
+   plain decoding of the same decoder at the same concurrency and temperature (``recipes.bench.measure``:
+   decode tokens/s and tokens committed per round, bonus included; a warm-up run first).
+4. Rows to ``--out`` (JSON, atomic; device, args), each with at least ``drafter, train_tokens,
+   prompt_set, mode, temperature, concurrency, simulated_acceptance, served_acceptance, speedup``,
+   ``served_vs_simulated`` (served / simulated) and ``depth``. A greedy chain row whose ratio is off
+   1 by more than 5% (the issue's target) is flagged.
+
+**Where they can part, step by step** (``simulated`` entries, one per drafter x prompt set; the table
+prints them left to right). All come from the same unroll: its per-(position, step) drafter states and
+argmaxes are read from the trainer's own fused head-loss call (checked against the trainer's acc_k).
+``simulated_acceptance_efficient_lb`` is the trainer's own bound for an efficient head.
+
+    sim      the trainer's metric on the conversations as the trainer tokenises them
+    ids      the same on exactly the served token ids (prompt ids + generated ids, mask on the latter):
+             sim - ids is the template / re-tokenisation / turn-closing effect
+    starts   the product of per-step accuracies over the positions a round can start from only
+             (t >= P - 1), each step's token being the one serving proposes from the same drafter state
+             (``DrafterRunner.top_candidates``: an efficient head's best of its scorer's top-k, where the
+             trainer's accuracy takes the dense head's argmax): ids - starts is the prompt positions the
+             trainer scores and serving never drafts from, and the efficient head's candidates
+    chain    mean over those positions of 1 + the leading run of correct steps: chain - starts is
+             the product of marginals against the joint (steps are correlated)
+    replay   the greedy chain rounds serving runs, walked over those per-position results (start
+             after the first generated token, advance by accepted + 1): replay - chain is how serving
+             weights positions (it starts rounds only where the previous round ended)
+    served   the engine: served - replay is the last round of each sequence (serving counts drafts
+             accepted past the stop token or the token limit) and numerics (bf16 serving)
+
+``round_agreement`` (greedy chain rows): of the rounds serving ran inside the cached response (the
+last excluded), the fraction whose committed count equals the simulated chain at the same start
+position. 1.0 (fp32) means positions, window, norms and feedback of the unroll and the runtime agree.
+
+train_tokens: an export records neither its training step nor its tokens; ``train_step`` is read from
+``<run>/DONE`` when the export is a run's own ``<run>/drafter``, ``train_tokens`` only from
+``--train-tokens NAME=N`` (else null).
+
+    # H200, SmolLM2 (tools/device_smollm2.sh joined the GGUF under /tmp/work): one prompt set per call
+    # (~5 min with two drafters, 32 prompts, 256 tokens, c = 1, 8, 64), --merge'd into one JSON kept on the
+    # warm machine and copied to $OUT; the responses cache beside it serves the next calls:
+    python tools/bench_quality.py --target /tmp/work/smollm2.gguf --cache-dir /tmp/work/cache \\
+        --drafter eagle4=/tmp/work/eagle4/drafter --drafter eagle3=/tmp/work/eagle3/drafter \\
+        --train-tokens eagle4=52428800 --train-tokens eagle3=52428800 --prompt-set mtbench --num-prompts 32 \\
+        --depth 5 --concurrency 1,8,64 --merge --out /tmp/work/quality_smollm2.json && cp /tmp/work/quality_* $OUT/
+    # CPU smoke run (seconds): a tiny target dir and a drafter export for it (tests/runtime_pair.py):
+    python tools/bench_quality.py --device cpu --target T --drafter tiny=D --prompt-set prompts.txt \\
+        --max-new-tokens 24 --depth 3 --concurrency 1,2 --out /tmp/quality.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+from collections import Counter
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+from quality_responses import ResponseCache, response_settings, target_responses  # noqa: E402
+from quality_simulated import build_eval_engine, chain_length, held_out_examples, simulate, simulated_entry  # noqa: E402
+
+from recipes.bench import measure  # noqa: E402
+from torchspec.cli import ArgumentParser, check_at_least, user_errors  # noqa: E402
+from torchspec.runtime.drafting import SpecConfig  # noqa: E402
+from torchspec.runtime.sampling import SamplingParams  # noqa: E402
+
+DEFAULT_OUT = "docs/bench/quality_smollm2.json"
+ROW_KEYS = ("drafter", "train_tokens", "prompt_set", "mode", "temperature", "concurrency", "simulated_acceptance",
+            "served_acceptance", "speedup", "served_vs_simulated", "depth")
+MODES = {"chain": 0.0, "tree": 0.0, "sampled_tree": 1.0}  # mode -> temperature
+TOLERANCE = 0.05  # served chain vs simulated acceptance (issue 15's target)
+ARCHS = {"torchspec_eagle4": "eagle4", "torchspec_eagle3": "eagle3"}
+DIAGNOSTICS = {"sim": "simulated_acceptance", "ids": "simulated_served_ids", "starts": "simulated_round_starts",
+               "chain": "simulated_chain_mean", "replay": "simulated_replay", "served": "served_acceptance"}
+
+
+# --- options -------------------------------------------------------------------------------------------
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="bench_quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2", help="HF checkpoint dir, .gguf file or alias (default smollm2)")
+    p.add_argument("--cache-dir", default="~/.cache/torchspec", help="where a .gguf target is converted once")
+    p.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
+                   help="a drafter export; NAME is the JSON's drafter column (repeatable)")
+    p.add_argument("--train-tokens", action="append", default=[], metavar="NAME=N",
+                   help="training tokens of drafter NAME (exports do not record them; repeatable)")
+    p.add_argument("--prompt-set", default="mtbench,humaneval", help="comma-separated: mtbench, humaneval or files")
+    p.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each set (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--depth", type=int, default=5, help="K: served chain and tree depth = TTT steps simulated")
+    p.add_argument("--modes", default=",".join(MODES), help=f"served modes, comma-separated: {', '.join(MODES)}")
+    p.add_argument("--concurrency", default="1,8,64", help="comma-separated slot counts")
+    p.add_argument("--tree-topk", type=int, default=SpecConfig.topk, help="greedy tree: children per node")
+    p.add_argument("--tree-nodes", type=int, default=SpecConfig.num_nodes, help="greedy tree: nodes verified")
+    p.add_argument("--branching", default=",".join(map(str, SpecConfig.branching)),
+                   help="T=1 sampled tree: children per node at each depth")
+    p.add_argument("--sim-batch-size", type=int, default=8, help="held-out conversations per unroll batch")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="the trainer's data.max_length for the simulated conversations (default: no truncation)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="target and drafters, served and simulated (auto: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--merge", action="store_true", help="keep the rows of an existing --out not measured again")
+    p.add_argument("--out", default=DEFAULT_OUT, help="JSON output path")
+    return p
+
+
+def _csv(flag: str, text: str, kind=str) -> list:
+    try:
+        values = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}={text!r} must be a comma-separated list of {kind.__name__}") from None
+    if not values:
+        raise ValueError(f"{flag}={text!r} is empty; give at least one value")
+    return values
+
+
+def _pairs(flag: str, items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not (sep and name and value):
+            raise ValueError(f"{flag} {item!r}: write NAME=VALUE, e.g. {flag} eagle4=...")
+        if name in out:
+            raise ValueError(f"{flag}: the name {name!r} is given twice; names must be distinct")
+        out[name] = value
+    return out
+
+
+def build_specs(args) -> dict[str, SpecConfig]:
+    """mode -> SpecConfig at depth K (validated); the sampled tree is the tree spec at T = 1."""
+    branching = tuple(_csv("--branching", args.branching, int))
+    branching += (1,) * max(0, args.depth - len(branching))
+    tree = SpecConfig(shape="tree", depth=args.depth, topk=args.tree_topk, num_nodes=args.tree_nodes,
+                      branching=branching)
+    specs = {"chain": SpecConfig(shape="chain", depth=args.depth, branching=branching), "tree": tree,
+             "sampled_tree": tree}
+    for spec in specs.values():
+        spec.validate()
+    return specs
+
+
+def check_args(args) -> dict:
+    """Every option, the drafter exports and the prompt sets, before a model loads."""
+    from torchspec.runtime.cli import check_drafter_export, check_output_file, read_prompt_set
+
+    drafters = _pairs("--drafter", args.drafter)
+    if not drafters:
+        raise ValueError("give at least one --drafter NAME=PATH (a torchspec export)")
+    for path in drafters.values():
+        check_drafter_export(path)
+    tokens = {}
+    for name, value in _pairs("--train-tokens", args.train_tokens).items():
+        if name not in drafters:
+            raise ValueError(f"--train-tokens {name}=...: no --drafter is named {name!r} ({sorted(drafters)})")
+        if not value.isdigit():
+            raise ValueError(f"--train-tokens {name}={value!r}: give a whole number of tokens")
+        tokens[name] = int(value)
+    modes = _csv("--modes", args.modes)
+    if unknown := [m for m in modes if m not in MODES]:
+        raise ValueError(f"--modes: {unknown} unknown; choose from {list(MODES)}")
+    levels = _csv("--concurrency", args.concurrency, int)
+    for c in levels:
+        check_at_least("--concurrency", c, 1)
+    for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--sim-batch-size", args.sim_batch_size, 1),
+                               ("--page-size", args.page_size, 1), ("--num-prompts", args.num_prompts, 1),
+                               ("--max-length", args.max_length, 2)):
+        if value is not None:
+            check_at_least(flag, value, least)
+    specs = build_specs(args)
+    check_output_file("--out", args.out)
+    sets = {name: read_prompt_set(name)[: args.num_prompts] for name in _csv("--prompt-set", args.prompt_set)}
+    return {"drafters": drafters, "train_tokens": tokens, "modes": modes, "levels": levels, "specs": specs,
+            "sets": sets}
+
+
+def drafter_record(name: str, path: str, train_tokens: int | None) -> dict:
+    """What the JSON says about a drafter: architecture, dtype, aux ids, training step and tokens."""
+    config = json.loads((pathlib.Path(path) / "config.json").read_text())
+    export = pathlib.Path(path).resolve()
+    done = export.parent / "DONE"  # a run's own export <run>/drafter: DONE is the run's completion record
+    step = json.loads(done.read_text())["step"] if export.name == "drafter" and done.is_file() else None
+    return {"drafter": name, "path": str(path), "arch": ARCHS.get(config.get("model_type"), config.get("model_type")),
+            "export_dtype": config.get("dtype"), "aux_layer_ids": config["aux_layer_ids"],
+            "lm_head_rank": config.get("lm_head_rank", 0), "train_step": step, "train_tokens": train_tokens}
+
+
+# --- 3. served acceptance and speedup --------------------------------------------------------------------
+
+class _Recorder:
+    """An engine for ``recipes.bench.measure`` that keeps the results of its one ``generate``."""
+
+    def __init__(self, engine):
+        self.engine, self.results = engine, None
+
+    def generate(self, *args, **kwargs):
+        self.results = self.engine.generate(*args, **kwargs)
+        return self.results
+
+
+def timed(engine, prompts: list[list[int]], spec, temperature: float, max_new: int, seed: int, c: int):
+    """A warm-up (CUDA-graph capture), then ``recipes.bench.measure`` -> (its numbers, the results)."""
+    params = SamplingParams(temperature=temperature)
+    measure(engine, prompts[:c], spec, params, min(16, max_new), seed, c)
+    rec = _Recorder(engine)
+    return measure(rec, prompts, spec, params, max_new, seed, c), rec.results
+
+
+def chosen_prompts(ids: list[list[int]], c: int) -> list[list[int]]:
+    """A concurrency level's prompts: all, repeated up to c when fewer (as torchspec-bench)."""
+    n = max(c, len(ids))
+    return (ids * (1 + n // len(ids)))[:n]
+
+
+def round_agreement(results, records: list[dict], per_example: list[torch.Tensor]) -> tuple[int, int]:
+    """(rounds whose committed count equals the simulated chain at the same start, rounds compared).
+    Compared: every served greedy chain round but each sequence's last, while all its tokens are the
+    cached response's (bf16 serving may part from it at a near-tie; positions mean nothing after)."""
+    matched = compared = 0
+    for res, rec, both in zip(results, records, per_example):  # results beyond the records: repeats
+        p, ref = len(rec["prompt_ids"]), rec["token_ids"]
+        same = next((i for i, (a, b) in enumerate(zip(res.token_ids, ref)) if a != b), min(len(ref), len(res.token_ids)))
+        n = p
+        for count in res.accept_lengths[:-1]:
+            if n + count - p >= same:  # the round commits x_{n+1} .. x_{n+count}: token_ids[n+1-p .. n+count-p]
+                break
+            matched += chain_length(both[0], n - 1) == count
+            compared += 1
+            n += count
+    return matched, compared
+
+
+# --- the run ---------------------------------------------------------------------------------------------
+
+def simulate_drafters(path: str, drafters: dict, responses: dict, tokenizer, args, dtype, device, max_context: int,
+                      pad_id: int) -> dict[tuple[str, str], dict]:
+    """The ``simulated`` entry of every drafter x prompt set: the trainer's evaluation on a capture target
+    with the drafter's aux ids (captures shared by drafters with the same ids)."""
+    from torchspec.export.serving import load_exported_drafter
+    from torchspec.runtime.loading import decoder_identity
+    from torchspec.targets import TargetDecoder
+
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    max_length = args.max_length or max_context
+    examples = {name: held_out_examples(tokenizer, recs, max_length) for name, recs in responses.items()}
+    simulated, captures, targets = {}, {}, {}
+    for name, d in drafters.items():
+        aux = tuple(d["aux_layer_ids"])
+        if aux not in targets:
+            targets[aux] = TargetDecoder.from_pretrained(path, aux_layer_ids=list(aux), dtype=dtype, device=device)
+        target = targets[aux]
+        model = load_exported_drafter(d["path"], target=decoder_identity(target), dtype=torch.float32)
+        engine = build_eval_engine(model.to(device), precision)
+        for set_name, (text_examples, served_examples, counts) in examples.items():
+            text_metrics, _ = simulate(target, engine, text_examples, args.depth, args.sim_batch_size, pad_id,
+                                       captures.setdefault((aux, set_name, "text"), {}))
+            ids_metrics, per_example = simulate(target, engine, served_examples, args.depth, args.sim_batch_size,
+                                                pad_id, captures.setdefault((aux, set_name, "ids"), {}))
+            simulated[(name, set_name)] = simulated_entry(name, set_name, args.depth, counts, text_metrics,
+                                                          ids_metrics, responses[set_name], per_example)
+    return simulated
+
+
+def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict, simulated: dict, plain: dict,
+                  specs: dict, modes: list[str], levels: list[int], max_context: int, args) -> list[dict]:
+    """One drafter served in every mode at every concurrency on every prompt set: its rows."""
+    from torchspec.export.serving import load_exported_drafter
+    from torchspec.runtime.drafter_runner import DrafterRunner
+    from torchspec.runtime.engine import SpeculativeEngine
+    from torchspec.runtime.loading import decoder_identity
+
+    device, dtype = decoder.embed_tokens_weight.device, decoder.embed_tokens_weight.dtype
+    model = load_exported_drafter(d["path"], target=decoder_identity(decoder), dtype=dtype)
+    engine = SpeculativeEngine(decoder, DrafterRunner(model.to(device), decoder.vocab_size), tokenizer,
+                               max_batch=max(levels), max_context=max_context, page_size=args.page_size)
+    rows = []
+    for set_name, recs in responses.items():
+        sim = simulated[(d["drafter"], set_name)]
+        for mode in modes:
+            temp = MODES[mode]
+            for c in levels:
+                stats, results = timed(engine, chosen_prompts(prompt_ids[set_name], c), specs[mode], temp,
+                                       args.max_new_tokens, args.seed, c)
+                base = plain[(set_name, temp, c)]
+                row = {"drafter": d["drafter"], "arch": d["arch"], "train_tokens": d["train_tokens"],
+                       "train_step": d["train_step"], "prompt_set": set_name, "mode": mode, "temperature": temp,
+                       "concurrency": c, "depth": args.depth, "simulated_acceptance": sim["simulated_acceptance"],
+                       "served_acceptance": stats["mean_acceptance"],
+                       "served_vs_simulated": stats["mean_acceptance"] / sim["simulated_acceptance"],
+                       "speedup": stats["tokens_per_s"] / base["tokens_per_s"], "tokens_per_s": stats["tokens_per_s"],
+                       "plain_tokens_per_s": base["tokens_per_s"], "rounds": stats["rounds"],
+                       "decode_tokens": stats["decode_tokens"],
+                       "simulated_acceptance_efficient_lb": sim["simulated_acceptance_efficient_lb"],
+                       "simulated_served_ids": sim["served_ids"]["acceptance"],
+                       "simulated_round_starts": sim["round_starts"]["acceptance"],
+                       "simulated_chain_mean": sim["chain_mean"], "simulated_replay": sim["replay"]}
+                greedy_chain = mode == "chain" and temp == 0.0
+                if greedy_chain:
+                    matched, compared = round_agreement(results, recs, sim["_per_example"])
+                    row.update(round_agreement=matched / max(compared, 1), rounds_compared=compared)
+                row["flag"] = greedy_chain and abs(row["served_vs_simulated"] - 1) > TOLERANCE
+                rows.append(row)
+                print(format_row(row), flush=True)
+    return rows
+
+
+def run(args) -> dict:
+    """Responses and plain decoding -> simulated -> served (module docstring); the JSON's content."""
+    from torchspec.runtime.loading import load_engine, resolve_dtype
+    from torchspec.runtime.prompts import render_prompts
+    from torchspec.targets import load_tokenizer, resolve_target_path
+
+    checked = check_args(args)
+    specs, levels, modes = checked["specs"], checked["levels"], checked["modes"]
+    drafters = {n: drafter_record(n, p, checked["train_tokens"].get(n)) for n, p in checked["drafters"].items()}
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(args.dtype, device)
+    path = resolve_target_path(args.target, os.path.expanduser(args.cache_dir))
+    tokenizer = load_tokenizer(path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompt_ids = {name: render_prompts(tokenizer, prompts) for name, prompts in checked["sets"].items()}
+    longest = max(len(i) for ids in prompt_ids.values() for i in ids)
+    slack = 2 * (max(s.num_nodes for s in specs.values()) + args.depth + 1) + 16  # a round's KV beyond the limit
+    max_context = -(-(longest + args.max_new_tokens + slack) // args.page_size) * args.page_size
+    out_path = pathlib.Path(args.out)
+    cache = ResponseCache(out_path.with_name(out_path.stem + ".responses.jsonl"))
+    started = time.perf_counter()
+
+    # 1. the target's responses, and plain decoding at every (set, temperature, concurrency)
+    engine = load_engine(path, None, device=device, dtype=dtype, max_batch=max(levels), max_context=max_context,
+                         page_size=args.page_size, cache_dir=args.cache_dir)
+    decoder = engine.decoder
+    responses, generated, plain = {}, 0, {}
+    settings = response_settings(path, decoder, tokenizer, args.max_new_tokens)
+    for name, prompts in checked["sets"].items():
+        responses[name], n = target_responses(engine, tokenizer, name, prompts, prompt_ids[name],
+                                              args.max_new_tokens, cache, settings)
+        generated += n
+        for temp in sorted({MODES[m] for m in modes}):
+            for c in levels:
+                plain[(name, temp, c)], _ = timed(engine, chosen_prompts(prompt_ids[name], c), None, temp,
+                                                  args.max_new_tokens, args.seed, c)
+    reused = sum(map(len, responses.values())) - generated
+    print(f"responses: {generated} generated, {reused} reused ({cache.path})", flush=True)
+    del engine
+
+    # 2. simulated on the unfused target of training capture (serving fused its own copy); 3. served
+    simulated = simulate_drafters(path, drafters, responses, tokenizer, args, dtype, device, max_context, pad_id)
+    rows = [row for d in drafters.values() for row in serve_drafter(
+        d, decoder, tokenizer, responses, prompt_ids, simulated, plain, specs, modes, levels, max_context, args)]
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "dtype": str(dtype).removeprefix("torch."), "target": args.target, "depth": args.depth,
+            "tolerance": TOLERANCE, "row_keys": list(ROW_KEYS), "specs": {m: dataclasses.asdict(specs[m]) for m in modes},
+            "drafters": list(drafters.values()),
+            "responses": {"path": str(cache.path), "generated": generated, "reused": reused,
+                          "finish_reasons": {n: dict(Counter(r["finish_reason"] for r in recs))
+                                             for n, recs in responses.items()}},
+            "simulated": list(simulated.values()), "rows": rows, "flagged": sum(r["flag"] for r in rows),
+            "wall_s": time.perf_counter() - started, "args": vars(args)}
+
+
+def format_row(r: dict) -> str:
+    agree = f"  rounds agree {r['round_agreement']:.0%}" if "round_agreement" in r else ""
+    return (f"{r['drafter']:<12} {r['prompt_set']:<10} {r['mode']:<12} T={r['temperature']:<3} c={r['concurrency']:<3} "
+            f"sim {r['simulated_acceptance']:5.2f}  served {r['served_acceptance']:5.2f}  ratio "
+            f"{r['served_vs_simulated']:5.2f}  x{r['speedup']:.2f}{agree}{'  !! >5%' if r['flag'] else ''}")
+
+
+def print_table(out: dict) -> None:
+    print(f"\ndevice: {out['device']} ({out['dtype']}), depth K={out['depth']}; columns sim .. served: the module "
+          f"docstring's steps from the trainer's metric to the engine")
+    print(f"{'drafter':<12} {'set':<10} {'mode':<12} {'T':>3} {'c':>4} "
+          + " ".join(f"{k:>6}" for k in DIAGNOSTICS) + f" {'ratio':>6} {'speedup':>7}")
+    for r in out["rows"]:
+        cells = [r.get(k) for k in (*DIAGNOSTICS.values(), "served_vs_simulated")]
+        print(f"{r['drafter']:<12} {r['prompt_set']:<10} {r['mode']:<12} {r['temperature']:>3} {r['concurrency']:>4} "
+              + " ".join(f"{x:6.2f}" if x is not None else f"{'-':>6}" for x in cells) + f" {r['speedup']:7.2f}"
+              + ("  !! served chain vs simulated > 5%" if r["flag"] else ""))
+    print(f"flagged (greedy chain, |served / simulated - 1| > {out['tolerance']:.0%}): {out['flagged']}")
+
+
+def merge(old: dict, new: dict) -> dict:
+    """``--merge``: the old rows and simulated entries this run did not measure again, then the new ones."""
+    def key(r: dict) -> tuple:
+        return tuple(r.get(k) for k in ("drafter", "prompt_set", "mode", "temperature", "concurrency", "depth"))
+
+    def sim_key(s: dict) -> tuple:
+        return s["drafter"], s["prompt_set"], s["depth"]
+
+    measured, simulated = {key(r) for r in new["rows"]}, {sim_key(s) for s in new["simulated"]}
+    rows = [r for r in old.get("rows", []) if key(r) not in measured] + new["rows"]
+    sims = [s for s in old.get("simulated", []) if sim_key(s) not in simulated]
+    return {**new, "rows": rows, "simulated": sims + new["simulated"], "flagged": sum(r["flag"] for r in rows),
+            "earlier_args": old.get("earlier_args", []) + [old.get("args")]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run, print the table, write ``--out``; returns the result (with the in-memory ``_`` keys)."""
+    from torchspec.io import atomic_write_text
+
+    args = build_parser().parse_args(argv)
+    with user_errors("bench_quality", args.debug):
+        out = run(args)
+        path = pathlib.Path(args.out)
+        if args.merge and path.is_file():
+            out = merge(json.loads(path.read_text()), out)
+        print_table(out)
+        public = {**out, "simulated": [{k: v for k, v in s.items() if not k.startswith("_")} for s in out["simulated"]]}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(public, indent=1))
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
