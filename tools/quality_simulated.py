@@ -134,10 +134,11 @@ def chain_length(correct: torch.Tensor, t: int) -> int:
 def replay_rounds(correct: torch.Tensor, prompt_len: int, num_generated: int) -> list[int]:
     """The greedy chain rounds serving runs on one conversation, from [T, K] per-position results. Prefill
     commits x_P (P = prompt_len), so the target caches x_0..x_{N-1} with N = P; a round drafts TTT
-    steps 0..K-1 at t = N - 1 and commits ``chain_length`` tokens; it ends at ``num_generated`` tokens."""
-    rounds, n = [], prompt_len
-    while n < prompt_len + num_generated - 1:
-        rounds.append(chain_length(correct, n - 1))
+    steps 0..K-1 at t = N - 1 and commits ``chain_length`` tokens, the last one only those that fit in
+    ``num_generated`` (as serving counts a round cut by a stop token or the token limit)."""
+    rounds, n, end = [], prompt_len, prompt_len + num_generated - 1
+    while n < end:
+        rounds.append(min(chain_length(correct, n - 1), end - n))
         n += rounds[-1]
     return rounds
 

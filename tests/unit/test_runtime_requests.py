@@ -165,3 +165,16 @@ def test_decode_rounds_counts_batched_rounds(engine):
     before = engine.decode_rounds
     engine.generate(prompts(3), max_new_tokens=6, ignore_eos=True, concurrency=3)
     assert engine.decode_rounds - before == 5
+
+
+def test_accept_lengths_count_the_tokens_kept(engine):
+    """A round cut by a stop token or the token limit records the tokens it kept, so every result's
+    accept_lengths sum to its tokens after the first (which prefill gives)."""
+    ps = prompts(4)
+    plain = engine.generate(ps, max_new_tokens=12, ignore_eos=True, spec=CHAIN)
+    stops = [r.token_ids[5] for r in plain]  # a stop token inside each output, likely mid-round
+    for limit, stop in ((7, None), (40, stops)):
+        for r, s in zip(ps, stops if stop else [None] * len(ps)):
+            (res,) = engine.generate([r], max_new_tokens=limit, ignore_eos=True, spec=CHAIN,
+                                     stop_token_ids=[s] if s is not None else None)
+            assert sum(res.accept_lengths) == len(res.token_ids) - 1, (res.accept_lengths, res.token_ids)

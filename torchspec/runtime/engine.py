@@ -291,9 +291,9 @@ class SpeculativeEngine:
             if i not in chosen:
                 continue
             slots[i].ctx += counts[j]
-            slots[i].request.result.accept_lengths.append(counts[j])
             slots[i].request.result.decode_s += dt
-            self.scheduler.commit(i, tokens[j][: counts[j]])
+            kept = self.scheduler.commit(i, tokens[j][: counts[j]])  # a stop or the limit may cut the round
+            slots[i].request.result.accept_lengths.append(kept)
 
     def _run_graph(self, key, step, args: dict):
         """``graphs.run``; a hybrid target's graph is captured on idle inputs (every row invalid), so

@@ -215,18 +215,20 @@ class Scheduler:
                 keep.append(i)
         return keep
 
-    def commit(self, i: int, tokens: list[int]) -> None:
-        """Append a step's committed tokens to slot i's result, applying the stop rules."""
+    def commit(self, i: int, tokens: list[int]) -> int:
+        """Append a step's committed tokens to slot i's result, applying the stop rules; returns how
+        many were kept (fewer than given when a stop token or the token limit ends the request)."""
         req = self.slots[i].request
         res = req.result
-        for tok in tokens:
+        for n, tok in enumerate(tokens, start=1):
             res.token_ids.append(tok)
             if tok in req.stop:
                 self._finish(req, "stop")
-                return
+                return n
             if len(res.token_ids) >= req.max_new_tokens:
                 self._finish(req, "length")
-                return
+                return n
+        return len(tokens)
 
     def abort(self) -> None:
         """Drop every request (after an error inside a step): all pages come back."""
