@@ -77,7 +77,7 @@ def test_fp32_smoke_every_row_identical(bench, pair, prompt_file, tmp_path, with
         assert row["reference"] == ("plain c=1" if row["mode"] == "plain" else f"plain c={row['concurrency']}")
     assert out["suspect"] == 0
     if with_drafter:  # the tiny pair's drafter is accepted often: the rounds really speculated
-        assert max(r["mean_acceptance"] for r in out["rows"] if r["mode"] != "plain") > 1.5
+        assert max(r["mean_acceptance"] for r in out["rows"] if r["mode"] != "plain") > 1.2
 
 
 def test_bf16_head_emulation_rounds_the_engine_logits(bench, pair):
