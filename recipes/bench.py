@@ -53,7 +53,8 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def _csv(flag: str, text: str, kind=str) -> list:
+def csv_values(flag: str, text: str, kind=str) -> list:
+    """A comma-separated option value -> [kind]; empty or unparsable is a ValueError naming the flag."""
     try:
         values = [kind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -68,8 +69,8 @@ def check_args(args) -> dict:
     base_spec = spec_from_args(args)
     if base_spec is None or args.drafter is None:
         raise ValueError("torchspec-bench compares against speculation: give --drafter PATH (no --no-spec).")
-    levels, temps, shapes = (_csv("--concurrency", args.concurrency, int), _csv("--temperature", args.temperature, float),
-                             _csv("--shapes", args.shapes))
+    levels, temps, shapes = (csv_values("--concurrency", args.concurrency, int), csv_values("--temperature", args.temperature, float),
+                             csv_values("--shapes", args.shapes))
     for c in levels:
         check_at_least("--concurrency", c, 1)
     for temp in temps:
@@ -80,7 +81,7 @@ def check_args(args) -> dict:
     check_at_least("--max-new-tokens", args.max_new_tokens, 1)
     check_engine_args(args, base_spec)
     check_output_file("--out", args.out)
-    prompt_sets = {name: read_prompt_set(name) for name in _csv("--prompt-set", args.prompt_set)}
+    prompt_sets = {name: read_prompt_set(name) for name in csv_values("--prompt-set", args.prompt_set)}
     return {"spec": base_spec, "levels": levels, "temps": temps, "shapes": shapes, "prompt_sets": prompt_sets}
 
 

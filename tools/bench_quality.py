@@ -84,7 +84,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from quality_responses import ResponseCache, response_settings, target_responses  # noqa: E402
 from quality_simulated import build_eval_engine, chain_length, held_out_examples, simulate, simulated_entry  # noqa: E402
 
-from recipes.bench import measure  # noqa: E402
+from recipes.bench import csv_values, measure  # noqa: E402
 from torchspec.cli import ArgumentParser, check_at_least, user_errors  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig  # noqa: E402
 from torchspec.runtime.sampling import SamplingParams  # noqa: E402
@@ -132,16 +132,6 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def _csv(flag: str, text: str, kind=str) -> list:
-    try:
-        values = [kind(x.strip()) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag}={text!r} must be a comma-separated list of {kind.__name__}") from None
-    if not values:
-        raise ValueError(f"{flag}={text!r} is empty; give at least one value")
-    return values
-
-
 def _pairs(flag: str, items: list[str]) -> dict[str, str]:
     out = {}
     for item in items:
@@ -156,7 +146,7 @@ def _pairs(flag: str, items: list[str]) -> dict[str, str]:
 
 def build_specs(args) -> dict[str, SpecConfig]:
     """mode -> SpecConfig at depth K (validated); the sampled tree is the tree spec at T = 1."""
-    branching = tuple(_csv("--branching", args.branching, int))
+    branching = tuple(csv_values("--branching", args.branching, int))
     branching += (1,) * max(0, args.depth - len(branching))
     tree = SpecConfig(shape="tree", depth=args.depth, topk=args.tree_topk, num_nodes=args.tree_nodes,
                       branching=branching)
@@ -183,10 +173,10 @@ def check_args(args) -> dict:
         if not value.isdigit():
             raise ValueError(f"--train-tokens {name}={value!r}: give a whole number of tokens")
         tokens[name] = int(value)
-    modes = _csv("--modes", args.modes)
+    modes = csv_values("--modes", args.modes)
     if unknown := [m for m in modes if m not in MODES]:
         raise ValueError(f"--modes: {unknown} unknown; choose from {list(MODES)}")
-    levels = _csv("--concurrency", args.concurrency, int)
+    levels = csv_values("--concurrency", args.concurrency, int)
     for c in levels:
         check_at_least("--concurrency", c, 1)
     for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--sim-batch-size", args.sim_batch_size, 1),
@@ -196,7 +186,7 @@ def check_args(args) -> dict:
             check_at_least(flag, value, least)
     specs = build_specs(args)
     check_output_file("--out", args.out)
-    sets = {name: read_prompt_set(name)[: args.num_prompts] for name in _csv("--prompt-set", args.prompt_set)}
+    sets = {name: read_prompt_set(name)[: args.num_prompts] for name in csv_values("--prompt-set", args.prompt_set)}
     return {"drafters": drafters, "train_tokens": tokens, "modes": modes, "levels": levels, "specs": specs,
             "sets": sets}
 

@@ -124,8 +124,8 @@ class Attention(nn.Module):
 def fuse_serving_layers(model: nn.Module) -> None:
     """Serving fusion of every drafter layer in ``model`` (in place; see the module docstring)."""
     for module in list(model.modules()):
-        if isinstance(module, (Attention, SwiGLU)) and getattr(module, "qkv_proj", None) is None \
-                and getattr(module, "gate_up_proj", None) is None:
-            module.fuse()
+        if isinstance(module, Attention) and module.qkv_proj is None \
+                or isinstance(module, SwiGLU) and module.gate_up_proj is None:
+            module.fuse()  # once: a second call finds the fused projection
         elif isinstance(module, RMSNorm):
             module.fused = True
