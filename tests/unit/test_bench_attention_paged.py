@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.tool_loader import load_tool
 from torchspec.runtime.paged_kv import build_attention_meta, paged_attention_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,10 +31,7 @@ TOOL = ROOT / "tools" / "bench_attention_paged.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention_paged", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_attention_paged")
 
 
 @pytest.mark.parametrize("group,tq", [(4, 1), (8, 17), (2, 40)])

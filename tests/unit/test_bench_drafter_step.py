@@ -3,23 +3,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_drafter_step.py"
+from tests.tool_loader import load_tool
+
 KEYS = {"shape", "drafter", "head", "seq", "step_ms", "tokens_per_s", "tflops", "mfu", "peak_gib", "device",
         "ttt_steps", "batch", "git", "torch"}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_drafter_step", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_drafter_step")
 
 
 def expected_flops(shape: dict, drafter: str, head: str, t: int, k: int = 7) -> int:

@@ -18,20 +18,18 @@ The H200 numbers come from the same functions on SmolLM2 in bf16. Here, in fp32:
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.runtime_pair import build_pair
+from tests.tool_loader import load_tool
 from torchspec.runtime.loading import load_engine
 from torchspec.runtime.margins import measure, prefix_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_lossless_bf16.py"
 ROW_KEYS = {"mode", "concurrency", "head", "identical", "total", "identical_fraction", "divergences", "reference",
             "suspect"}
 DIVERGENCE_KEYS = {"prompt", "position", "margin", "margin_ulps", "tokens", "top2", "suspect"}
@@ -39,10 +37,7 @@ DIVERGENCE_KEYS = {"prompt", "position", "margin", "margin_ulps", "tokens", "top
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_lossless_bf16", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_lossless_bf16")
 
 
 @pytest.fixture(scope="module")

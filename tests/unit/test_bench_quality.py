@@ -24,7 +24,6 @@ and the drafter exact (every draft accepted). In fp32:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.runtime_pair import build_pair
+from tests.tool_loader import load_tool
 from torchspec.runtime import drafting
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import SpecConfig
@@ -40,7 +40,6 @@ from torchspec.runtime.loading import load_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_quality.py"
 ISSUE_KEYS = {"drafter", "train_tokens", "prompt_set", "mode", "temperature", "concurrency", "simulated_acceptance",
               "served_acceptance", "speedup", "served_vs_simulated", "depth"}
 PROMPTS = "hello there\nthe cat sat on a mat and\nrepeat: red green blue\nwhat is two plus two?\n"
@@ -48,10 +47,7 @@ PROMPTS = "hello there\nthe cat sat on a mat and\nrepeat: red green blue\nwhat i
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("bench_quality", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_quality")
 
 
 @pytest.fixture(scope="module")

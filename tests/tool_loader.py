@@ -1,0 +1,17 @@
+"""Import a script of ``tools/`` (not a package) as a module, for tests that call its functions."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def load_tool(name: str) -> ModuleType:
+    """``tools/<name>.py`` loaded under the module name ``name``."""
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
