@@ -15,7 +15,13 @@ format (ids and other fields kept), each written atomically with a sidecar, and 
 Resume: shard k holds input records [k * shard_size, (k + 1) * shard_size); a rerun verifies every
 shard, reports and regenerates a corrupted one, skips the conversations of the intact ones, and does
 nothing when generation.json says complete and every shard is intact. A rerun with settings that
-change the output (``IDENTITY_KEYS``) is refused; ``concurrency``, ``device`` and ``drafter`` may change.
+change the output (``IDENTITY_KEYS``) is refused; ``concurrency``, ``device``, ``drafter`` and
+``num_workers`` may change.
+
+Several GPUs: ``num_workers=N`` starts N worker processes (worker w on ``cuda:w``; on the CPU, N
+processes), deals the shards round-robin (worker w regenerates shard k iff k % N == w), and marks the
+output complete once every worker has finished. Greedy output is the same for any N; a sampled run is
+reproducible for a fixed N and concurrency.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import datetime
 import hashlib
 import importlib.metadata
 import json
+import multiprocessing
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -81,11 +89,12 @@ class RegenerateConfig:
     chat_template: str | None = None  # Jinja template overriding the tokenizer's
     page_size: int = 16
     cache_dir: str = "~/.cache/torchspec"
+    num_workers: int = 1  # worker processes, one per GPU (cuda:0..N-1); shards dealt round-robin
 
 
 def check_config(cfg: RegenerateConfig) -> SamplingParams:
     for key, low in (("shard_size", 1), ("concurrency", 1), ("max_new_tokens", 1), ("max_context", 2),
-                     ("page_size", 1), ("max_conversations", 1)):
+                     ("page_size", 1), ("max_conversations", 1), ("num_workers", 1)):
         check_at_least(key, getattr(cfg, key), low)
     if cfg.format not in ("auto", "messages", "sharegpt"):
         raise ValueError(f"format={cfg.format!r} is not one of ['auto', 'messages', 'sharegpt'].")
@@ -93,6 +102,13 @@ def check_config(cfg: RegenerateConfig) -> SamplingParams:
         raise ValueError(f"device={cfg.device!r}: pass auto, cpu or cuda[:N].")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={cfg.device}: no CUDA device is visible here; pass device=cpu or device=auto.")
+    if cfg.num_workers > 1 and cfg.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={cfg.device} with num_workers={cfg.num_workers}: worker w uses cuda:w; pass "
+                         "device=cuda (or auto) and make the GPUs to use visible with CUDA_VISIBLE_DEVICES.")
+    visible = torch.cuda.device_count() if cfg.device != "cpu" else 0
+    if cfg.num_workers > 1 and visible and cfg.num_workers > visible:
+        raise ValueError(f"num_workers={cfg.num_workers}: only {visible} CUDA device(s) are visible; pass "
+                         f"num_workers={visible} or fewer.")
     if cfg.dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"dtype={cfg.dtype!r} is not one of ['auto', 'float32', 'bfloat16'].")
     if cfg.drafter is not None:
@@ -205,18 +221,58 @@ def regenerate(cfg: RegenerateConfig, engine=None) -> Path:
               f"{len(generation['shards'])} shards); nothing to do", flush=True)
         return out
 
-    if engine is None:
-        engine = build_engine(cfg, target_path, device, dtype)
-    assert engine.max_context == cfg.max_context, "the engine must have the config's max_context"
-    record = start_record(out, cfg, identity, generation, engine, target_path)
     started = time.perf_counter()
-    counted = regenerate_shards(cfg, engine, tokenizer, sampling, out, intact)
+    if cfg.num_workers > 1:
+        assert engine is None, "a built engine serves one worker only"
+        counted = run_workers(cfg, device, dtype, target_path, identity, generation, intact)
+        record = read_generation(out)
+    else:
+        if engine is None:
+            engine = build_engine(cfg, target_path, device, dtype)
+        record = start_record(out, cfg, identity, generation, engine, target_path)
+        counted = regenerate_shards(cfg, engine, tokenizer, sampling, out, intact)
     elapsed = time.perf_counter() - started
     finish_generation(out, record)
     print(f"regenerated {counted['conversations']} conversations ({counted['turns']} turns, {counted['tokens']} "
           f"tokens) in {elapsed:.1f} s: {counted['conversations'] / elapsed:.2f} conversations/s, "
           f"{counted['tokens'] / elapsed:.1f} tokens/s -> {out}", flush=True)
     return out
+
+
+def run_workers(cfg: RegenerateConfig, device: torch.device, dtype: torch.dtype, target_path: str, identity: dict,
+                generation: dict | None, intact: set[int]) -> Counter:
+    """``cfg.num_workers`` processes, worker w on shards k % N == w; their counts summed. A worker's error
+    (e.g. a target whose weights differ from a resumed output's) is raised here as it was raised there."""
+    args = (cfg, device.type, dtype, target_path, identity, generation, intact)
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    with ProcessPoolExecutor(cfg.num_workers, mp_context=context) as pool:
+        futures = [pool.submit(regenerate_worker, w, *args) for w in range(cfg.num_workers)]
+        counts = [f.result() for f in futures]
+    return sum(counts, Counter())
+
+
+def regenerate_worker(worker: int, cfg: RegenerateConfig, device_type: str, dtype: torch.dtype, target_path: str,
+                      identity: dict, generation: dict | None, intact: set[int]) -> Counter:
+    """One worker: its own engine on ``cuda:worker`` (or the CPU); worker 0 writes generation.json, every
+    worker checks the target's weights against a resumed output's."""
+    from torchspec.targets import load_tokenizer
+
+    device = torch.device(f"cuda:{worker}" if device_type == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.num_workers))
+    engine = build_engine(cfg, target_path, device, dtype)
+    tokenizer = engine.tokenizer or load_tokenizer(target_path)
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = cfg.chat_template
+    out = Path(cfg.output)
+    check_fingerprint(out, cfg, generation, engine)
+    if worker == 0:
+        start_record(out, cfg, identity, generation, engine, target_path)
+    sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    owned = lambda shard: shard % cfg.num_workers == worker  # noqa: E731
+    return regenerate_shards(cfg, engine, tokenizer, sampling, out, intact, owned=owned, position=worker)
 
 
 def open_output(out: Path, identity: dict) -> dict | None:
@@ -248,12 +304,7 @@ def build_engine(cfg: RegenerateConfig, target_path: str, device: torch.device, 
 def start_record(out: Path, cfg: RegenerateConfig, identity: dict, generation: dict | None, engine,
                  target_path: str) -> dict:
     """Check the target's weights against a resumed output's and write generation.json (complete=false)."""
-    from torchspec.runtime.loading import decoder_identity
-
-    fingerprint = decoder_identity(engine.decoder)["fingerprint"]
-    if generation is not None and generation.get("target_fingerprint", fingerprint) != fingerprint:
-        raise ValueError(f"output={out} was generated by a target with weights fingerprint "
-                         f"{generation['target_fingerprint']}, {cfg.target} has {fingerprint}; choose another output.")
+    fingerprint = check_fingerprint(out, cfg, generation, engine)
     record = {"format": REGENERATED_FORMAT, "version": 1, "identity": identity, "target": cfg.target,
               "target_path": target_path, "target_fingerprint": fingerprint, "settings": asdict(cfg),
               "created": (generation or {}).get("created", _now()), "updated": _now(),
@@ -262,9 +313,22 @@ def start_record(out: Path, cfg: RegenerateConfig, identity: dict, generation: d
     return record
 
 
+def check_fingerprint(out: Path, cfg: RegenerateConfig, generation: dict | None, engine) -> str:
+    """The engine's target weights fingerprint, refused if a resumed output was made by other weights."""
+    from torchspec.runtime.loading import decoder_identity
+
+    fingerprint = decoder_identity(engine.decoder)["fingerprint"]
+    if generation is not None and generation.get("target_fingerprint", fingerprint) != fingerprint:
+        raise ValueError(f"output={out} was generated by a target with weights fingerprint "
+                         f"{generation['target_fingerprint']}, {cfg.target} has {fingerprint}; choose another output.")
+    return fingerprint
+
+
 def regenerate_shards(cfg: RegenerateConfig, engine, tokenizer, sampling: SamplingParams, out: Path,
-                      intact: set[int]) -> Counter:
-    """Regenerate every record outside the ``intact`` shards and write their shards; returns counts."""
+                      intact: set[int], owned: Callable[[int], bool] = lambda shard: True,
+                      position: int = 0) -> Counter:
+    """Regenerate every record of the ``owned`` shards outside the ``intact`` ones and write their shards;
+    returns counts. ``position``: the progress bar's line (one per worker)."""
     from torchspec.runtime.drafting import SpecConfig
 
     engine.configure(spec=SpecConfig() if cfg.drafter is not None else None, seed=cfg.seed,
@@ -277,7 +341,7 @@ def regenerate_shards(cfg: RegenerateConfig, engine, tokenizer, sampling: Sampli
             for index, (raw, messages, reason) in enumerate(records):
                 if cfg.max_conversations is not None and index >= cfg.max_conversations:
                     break
-                if index // cfg.shard_size in intact:
+                if index // cfg.shard_size in intact or not owned(index // cfg.shard_size):
                     continue
                 book.saw(index)
                 if messages is None:
@@ -288,7 +352,9 @@ def regenerate_shards(cfg: RegenerateConfig, engine, tokenizer, sampling: Sampli
 
     regenerator = TurnRegenerator(engine, tokenizer, concurrency=cfg.concurrency, max_new_tokens=cfg.max_new_tokens,
                                   sampling=sampling)
-    bar = tqdm(total=cfg.max_conversations, desc="regenerate", unit="conv", dynamic_ncols=True, mininterval=1)
+    bar = tqdm(total=cfg.max_conversations and -(-cfg.max_conversations // cfg.num_workers), unit="conv",
+               desc="regenerate" if cfg.num_workers == 1 else f"regenerate[{position}]", position=position,
+               dynamic_ncols=True, mininterval=1)
     with bar, closing(regenerator.run(to_do())) as finished:
         for conversation in finished:
             counted.update(conversations=1, turns=len(conversation.replies), tokens=conversation.generated_tokens)

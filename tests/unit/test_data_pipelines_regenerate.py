@@ -257,3 +257,24 @@ def test_sampled_regeneration_is_reproducible(target, source, engine, tmp_path):
         regenerate(config(target, source, out, temperature=0.8, top_p=0.9, seed=3, max_conversations=3), engine=engine)
     assert shards(outs[0]) == shards(outs[1]) and len(written(outs[0])) == 3
     assert json.loads((outs[0] / "generation.json").read_text())["identity"]["top_p"] == 0.9
+
+
+def test_two_workers_deal_the_shards_and_write_the_same_output(finished, target, source, tmp_path, capsys):
+    """num_workers=2 (two CPU processes here, one per GPU on CUDA): worker w owns shards k % 2 == w; the
+    shards and totals equal the one-process run's, and a rerun finds the output complete."""
+    out = tmp_path / "out"
+    regenerate(config(target, source, out, num_workers=2))
+    assert shards(out) == shards(finished)
+    done, one = (json.loads((d / "generation.json").read_text()) for d in (out, finished))
+    assert done["complete"] and done["shards"] == one["shards"] and done["generated_tokens"] == one["generated_tokens"]
+    assert "regenerated 7 conversations" in capsys.readouterr().out
+    regenerate(config(target, source, out, num_workers=2))
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_more_workers_than_gpus_is_refused(target, source, tmp_path, monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"num_workers=3: only 2 CUDA device\(s\) are visible; pass num_workers=2"):
+        regenerate(config(target, source, tmp_path / "o", device="cuda", num_workers=3))
+    assert not (tmp_path / "o").exists()
