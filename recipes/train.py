@@ -238,6 +238,7 @@ def train(raw: DictConfig) -> None:
             engine.drafter.set_vocab_mapping(*state["extra"]["vocab_mapping"])
         step = state["step"]
         log.info("resumed from %s at step %d", resume_from, step)
+    trained_tokens = state["extra"].get("train_tokens", 0) if resume_from is not None else 0  # real, all ranks
     logger = MetricsLogger(out_dir, t.report_to, OmegaConf.to_container(raw, resolve=True), t.wandb_project,
                            cfg.name, resume_step=step if resume_from else None, enabled=rank0)
     log.info("setup took %.1fs", time.time() - started)
@@ -250,7 +251,7 @@ def train(raw: DictConfig) -> None:
         return metrics
 
     def save(final_eval: dict[str, float] | None = None) -> None:
-        extra = {"name": cfg.name, "aux_layer_ids": aux_ids}
+        extra = {"name": cfg.name, "aux_layer_ids": aux_ids, "train_tokens": trained_tokens}
         mapping = engine.drafter.vocab_mapping()  # EAGLE-3's (d2t, t2d); None for a full-vocabulary head
         if mapping is not None:
             extra["vocab_mapping"] = tuple(m.detach().cpu().clone() for m in mapping)
@@ -277,9 +278,10 @@ def train(raw: DictConfig) -> None:
         if step % t.log_every == 0 or step == t.max_steps:
             stats.all_reduce()
             metrics = stats.summary("train")
+            trained_tokens += int(stats.tokens) * info.world_size
             metrics.update({"train/lr": engine.lr, "train/grad_norm": float(grad_norm),
                             "train/tokens_per_s": float(stats.tokens) * info.world_size / (time.time() - tick),
-                            "train/epoch": sampler.epoch})
+                            "train/tokens": trained_tokens, "train/epoch": sampler.epoch})
             logger.log(step, metrics)
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc0=f"{metrics['train/acc_0']:.2f}",
                             al=f"{metrics['train/acceptance_length']:.2f}")
@@ -303,7 +305,8 @@ def train(raw: DictConfig) -> None:
         final = run_eval()
         save(final_eval=final)
     dtype = "float32" if resolve_precision(t.precision, info.device) is None else "bfloat16"
-    export_for_serving(cfg, engine, target, aux_ids, out_dir / "drafter", dtype)
+    export_for_serving(cfg, engine, target, aux_ids, out_dir / "drafter", dtype,
+                       training={"step": step, "train_tokens": trained_tokens})
     logger.close()
     if rank0:
         if t.plot and (out_dir / "metrics.jsonl").exists():
@@ -314,7 +317,8 @@ def train(raw: DictConfig) -> None:
     barrier()
 
 
-def export_for_serving(cfg: Config, engine, target, aux_ids: list[int], path: Path, dtype: str) -> None:
+def export_for_serving(cfg: Config, engine, target, aux_ids: list[int], path: Path, dtype: str,
+                       training: dict[str, int]) -> None:
     """Collective: gather the full drafter weights; rank 0 writes the serving export (the format of
     torchspec-export: strict config.json + model.safetensors + target fingerprint), atomically."""
     state = engine.drafter_state_dict()
@@ -323,7 +327,7 @@ def export_for_serving(cfg: Config, engine, target, aux_ids: list[int], path: Pa
         drafter.load_state_dict(state, strict=True)
         if path.is_dir() and any(path.iterdir()) and not is_export(path):
             shutil.rmtree(path)  # the save_pretrained drafter/ of a run trained before exports were written here
-        export_drafter(drafter, path, dtype=dtype, target_identity=target_identity(target))
+        export_drafter(drafter, path, dtype=dtype, target_identity=target_identity(target), training=training)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
 def test_end_of_run_serving_export_done_marker_and_rerun(tmp_path, tiny_llama_dir, tiny_chat_jsonl):
     """The run ends with the serving export in <output_dir>/drafter and DONE; rerunning it touches no
     file and says so in one line; a larger train.max_steps continues it without repeating a line."""
-    from torchspec.export.serving import is_export, load_exported_drafter
+    from torchspec.export.serving import export_from_checkpoint, export_training, is_export, load_exported_drafter
     from torchspec.targets import TargetDecoder
 
     out, base = tmp_path / "run", ("train.max_steps=3", "train.save_every=2", "train.log_every=1", "train.plot=false")
@@ -88,6 +88,9 @@ def test_end_of_run_serving_export_done_marker_and_rerun(tmp_path, tiny_llama_di
     assert is_export(out / "drafter")  # strict config + safetensors + target fingerprint: served as is
     drafter = load_exported_drafter(out / "drafter", target=TargetDecoder.from_pretrained(tiny_llama_dir, [1, 3, 5]))
     assert next(drafter.parameters()).dtype == torch.float32  # a fp32 run exports fp32 (bf16 runs: bf16)
+    tokens = [r["train/tokens"] for r in read(out / "metrics.jsonl") if "train/tokens" in r]
+    assert tokens == sorted(set(tokens)) and tokens[0] > 0  # cumulative real tokens, growing every step
+    assert export_training(out / "drafter") == {"step": 3, "train_tokens": tokens[-1]}
 
     before = snapshot(out)
     again = run_recipe(out, tiny_llama_dir, tiny_chat_jsonl, *base)
@@ -103,6 +106,12 @@ def test_end_of_run_serving_export_done_marker_and_rerun(tmp_path, tiny_llama_di
     assert [(r["step"], "eval/loss" in r) for r in records] == [
         (0, True), (1, False), (2, False), (3, False), (3, True), (4, False), (5, False), (5, True)]
     assert json.loads((out / "DONE").read_text())["step"] == 5
+    tokens_5 = [r["train/tokens"] for r in records if "train/tokens" in r]
+    assert tokens_5[:3] == tokens and tokens_5[-1] > tokens[-1]  # the count survives the resume
+    assert export_training(out / "drafter") == {"step": 5, "train_tokens": tokens_5[-1]}
+    # torchspec-export of an earlier checkpoint records that checkpoint's own count
+    export_from_checkpoint(out, tmp_path / "step4", step=4, dtype="float32")
+    assert export_training(tmp_path / "step4") == {"step": 4, "train_tokens": tokens_5[3]}
 
 
 # Bad input (target, aux ids, config values, data files): the table in test_bad_input_train.py.

@@ -7,6 +7,8 @@ Layout of an export directory::
                         "target": {vocab_size, hidden_size, num_hidden_layers, aux_layer_ids,
                                    model_type, fingerprint}   the target it must be served with
                         "torchspec_export_version": 1
+                        "training": {step, train_tokens}   how far it was trained (absent in exports
+                                   converted from elsewhere); train_tokens: real (non-padding) tokens
     model.safetensors   every drafter tensor under the drafter's own names, in the export dtype;
                         integer/bool buffers (EAGLE-3's d2t/t2d) keep their dtype
 
@@ -170,8 +172,9 @@ def _check_drafter_matches_target(config, target: dict[str, Any]) -> None:
 
 
 def export_drafter(drafter: nn.Module, out_dir: str | Path, *, dtype: torch.dtype | str,
-                   target_identity: dict[str, Any]) -> dict[str, Any]:
+                   target_identity: dict[str, Any], training: dict[str, int] | None = None) -> dict[str, Any]:
     """Write ``drafter`` as an export directory (layout: module docstring); returns a summary.
+    ``training``: {"step", "train_tokens"} of the run it comes from, recorded in config.json.
 
     Atomic: written into a temporary sibling and renamed into place, so ``out_dir`` is the old
     export or the new one, never half of one. An existing ``out_dir`` that is neither empty nor an
@@ -195,6 +198,8 @@ def export_drafter(drafter: nn.Module, out_dir: str | Path, *, dtype: torch.dtyp
     config["target"] = {k: target_identity[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                                         "aux_layer_ids", "model_type", "fingerprint")}
     config["torchspec_export_version"] = EXPORT_VERSION
+    if training is not None:
+        config["training"] = {"step": int(training["step"]), "train_tokens": int(training["train_tokens"])}
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -263,6 +268,7 @@ def load_exported_drafter(path: str | Path, *, target=None, dtype: torch.dtype |
     if version != EXPORT_VERSION:
         raise ValueError(f"{config_file}: torchspec_export_version={version!r}, this torchspec reads {EXPORT_VERSION}.")
     expected_target = config_dict.pop("target", None)
+    config_dict.pop("training", None)  # how far it was trained: read by export_training
     if not isinstance(expected_target, dict) or any(k not in expected_target for k in IDENTITY_KEYS):
         raise ValueError(f"{config_file}: the 'target' block must hold {list(IDENTITY_KEYS)}.")
     if target is not None:
@@ -381,5 +387,13 @@ def export_from_checkpoint(run_dir: str | Path, out_dir: str | Path, *, step: in
         # is SVD-initialised here and then overwritten by the checkpoint's trained one.
         drafter.init_from_target(target.embed_tokens_weight, target.lm_head_weight, init_lm_head=head_from_target)
     drafter.load_state_dict(weights, strict=False)  # keys checked above; EAGLE-3 locks its mapping
-    summary = export_drafter(drafter.float(), out_dir, dtype=dtype, target_identity=target_identity(target))
+    training = {"step": int(state["step"]), "train_tokens": state["extra"]["train_tokens"]} \
+        if "train_tokens" in state["extra"] else None  # checkpoints from before the count was kept have none
+    summary = export_drafter(drafter.float(), out_dir, dtype=dtype, target_identity=target_identity(target),
+                             training=training)
     return {**summary, "checkpoint": str(ckpt), "step": int(state["step"])}
+
+
+def export_training(path: str | Path) -> dict[str, int] | None:
+    """The export's {"step", "train_tokens"} (None when it does not record its training)."""
+    return json.loads((Path(path) / CONFIG_FILE).read_text()).get("training")
