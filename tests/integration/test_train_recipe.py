@@ -112,6 +112,12 @@ def test_end_of_run_serving_export_done_marker_and_rerun(tmp_path, tiny_llama_di
     # torchspec-export of an earlier checkpoint records that checkpoint's own count
     export_from_checkpoint(out, tmp_path / "step4", step=4, dtype="float32")
     assert export_training(tmp_path / "step4") == {"step": 4, "train_tokens": tokens_5[3]}
+    # a run with target.dtype=auto (bf16 on CUDA) exports too: its embeddings are read in fp32
+    config = (out / "config.yaml").read_text()
+    (out / "config.yaml").write_text(config.replace("dtype: float32", "dtype: auto", 1))
+    export_from_checkpoint(out, tmp_path / "step4_auto", step=4, dtype="float32")
+    assert (tmp_path / "step4_auto" / "model.safetensors").read_bytes() == \
+        (tmp_path / "step4" / "model.safetensors").read_bytes()
 
 
 # Bad input (target, aux ids, config values, data files): the table in test_bad_input_train.py.

@@ -358,7 +358,9 @@ def export_from_checkpoint(run_dir: str | Path, out_dir: str | Path, *, step: in
     weights = read_engine_state(ckpt, "model")["model"]  # DCP shards of any world size, whole
 
     target_path = resolve_target_path(cfg.target.path, os.path.expanduser(cfg.target.cache_dir))
-    target = read_target_embeddings(target_path, state["extra"]["aux_layer_ids"], DTYPES[cfg.target.dtype])
+    # target.dtype=auto (bf16 on CUDA): read in fp32; the export's own dtype rounds them as the run did
+    read_dtype = DTYPES.get(cfg.target.dtype, torch.float32)
+    target = read_target_embeddings(target_path, state["extra"]["aux_layer_ids"], read_dtype)
     aux_ids = target.aux_layer_ids
 
     drafter = build_drafter(cfg.drafter, target.config, aux_ids)
