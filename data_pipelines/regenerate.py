@@ -32,10 +32,10 @@ import importlib.metadata
 import json
 import multiprocessing
 import os
+import queue
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -241,14 +241,43 @@ def regenerate(cfg: RegenerateConfig, engine=None) -> Path:
 
 def run_workers(cfg: RegenerateConfig, device: torch.device, dtype: torch.dtype, target_path: str, identity: dict,
                 generation: dict | None, intact: set[int]) -> Counter:
-    """``cfg.num_workers`` processes, worker w on shards k % N == w; their counts summed. A worker's error
-    (e.g. a target whose weights differ from a resumed output's) is raised here as it was raised there."""
-    args = (cfg, device.type, dtype, target_path, identity, generation, intact)
+    """``cfg.num_workers`` processes, worker w on shards k % N == w; their counts summed. A worker's user
+    error (e.g. a target whose weights differ from a resumed output's) is raised here as it was raised there;
+    an interrupt (Ctrl-C, a time limit) stops every worker: the shards written so far stay, a rerun resumes."""
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-    with ProcessPoolExecutor(cfg.num_workers, mp_context=context) as pool:
-        futures = [pool.submit(regenerate_worker, w, *args) for w in range(cfg.num_workers)]
-        counts = [f.result() for f in futures]
-    return sum(counts, Counter())
+    results = context.Queue()
+    workers = [context.Process(target=_worker_main, args=(
+        w, results, cfg, device.type, dtype, target_path, identity, generation, intact)) for w in range(cfg.num_workers)]
+    for process in workers:
+        process.start()
+    outcomes: dict[int, Counter | BaseException] = {}
+    try:
+        while len(outcomes) < len(workers):
+            try:
+                worker, outcome = results.get(timeout=1.0)
+                outcomes[worker] = outcome
+            except queue.Empty:
+                dead = [w for w, p in enumerate(workers) if w not in outcomes and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"regenerate worker {dead[0]} died (exit code {workers[dead[0]].exitcode}) "
+                                       f"without a result; rerun to resume from the shards written so far.")
+    finally:
+        for process in workers:
+            if process.is_alive() and len(outcomes) < len(workers):
+                process.terminate()
+            process.join()
+    for outcome in outcomes.values():
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return sum(outcomes.values(), Counter())
+
+
+def _worker_main(worker: int, results, *args) -> None:
+    try:
+        results.put((worker, regenerate_worker(worker, *args)))
+    except Exception as err:  # sent back whole when it is a user error (exit 2 there), else by its text
+        results.put((worker, err if isinstance(err, ValueError) else
+                     RuntimeError(f"regenerate worker {worker}: {type(err).__name__}: {err}")))
 
 
 def regenerate_worker(worker: int, cfg: RegenerateConfig, device_type: str, dtype: torch.dtype, target_path: str,

