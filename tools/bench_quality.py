@@ -12,7 +12,9 @@ For one target and one or more drafter exports, on held-out prompt sets:
    trainer's ``tokenize_conversation`` and ``collate``; ``torchspec.train.step.evaluate`` runs the
    target's ``capture`` and the drafter's TTT unroll (``ttt_unroll`` inside a "none"
    ``TrainingEngine``; bf16 when serving is bf16, as training on a GPU) with ``num_steps = K``:
-   ``simulated_acceptance = eval/acceptance_length = 1 + sum_k prod_{i<=k} acc_i``.
+   ``simulated_acceptance = eval/chain_acceptance``, the greedy chain rounds of depth K walked over each
+   response as serving runs them (tokens committed per round, with the token an efficient head proposes),
+   and ``simulated_acceptance_marginals = eval/acceptance_length = 1 + sum_k prod_{i<=k} acc_i``.
 3. **Served acceptance and speedup**: ``SpeculativeEngine`` on the same prompt ids: greedy chain of
    depth K (``chain``), greedy dynamic tree of depth K (``tree``; ``--tree-topk``, ``--tree-nodes``)
    and the T = 1 sampled tree (``sampled_tree``; ``--branching``) at each ``--concurrency``, against
@@ -20,17 +22,21 @@ For one target and one or more drafter exports, on held-out prompt sets:
    decode tokens/s and tokens committed per round, bonus included; a warm-up run first).
 4. Rows to ``--out`` (JSON, atomic; device, args), each with at least ``drafter, train_tokens,
    prompt_set, mode, temperature, concurrency, simulated_acceptance, served_acceptance, speedup``,
-   ``served_vs_simulated`` (served / simulated) and ``depth``. A greedy chain row whose ratio is off
-   1 by more than 5% (the issue's target) is flagged.
+   ``served_vs_simulated`` (served / simulated) and ``depth``, and the diagnostics below. A greedy
+   chain row whose ratio is off 1 by more than 5% (the issue's target) is flagged.
 
 **Where they can part, step by step** (``simulated`` entries, one per drafter x prompt set; the table
 prints them left to right). All come from the same unroll: its per-(position, step) drafter states and
 argmaxes are read from the trainer's own fused head-loss call (checked against the trainer's acc_k).
-``simulated_acceptance_efficient_lb`` is the trainer's own bound for an efficient head.
+``simulated_acceptance_efficient_lb`` is the trainer's own product-of-marginals bound for an efficient head.
 
-    sim      the trainer's metric on the conversations as the trainer tokenises them
-    ids      the same on exactly the served token ids (prompt ids + generated ids, mask on the latter):
-             sim - ids is the template / re-tokenisation / turn-closing effect
+    marg     the trainer's product of marginals (``eval/acceptance_length``) on the conversations as the
+             trainer tokenises them (``simulated_acceptance_marginals``)
+    sim      the trainer's chain acceptance (``eval/chain_acceptance``) on the same: the number compared
+             with served (``simulated_acceptance``); sim - replay is the template / re-tokenisation
+             effect (on the served ids, ``simulated_served_ids_chain``, it is the replay exactly)
+    ids      marg on exactly the served token ids (prompt ids + generated ids, mask on the latter):
+             marg - ids is the template / re-tokenisation / turn-closing effect
     starts   the product of per-step accuracies over the positions a round can start from only
              (t >= P - 1), each step's token being the one serving proposes from the same drafter state
              (``DrafterRunner.top_candidates``: an efficient head's best of its scorer's top-k, where the
@@ -48,8 +54,8 @@ argmaxes are read from the trainer's own fused head-loss call (checked against t
 last excluded), the fraction whose committed count equals the simulated chain at the same start
 position. 1.0 (fp32) means positions, window, norms and feedback of the unroll and the runtime agree.
 
-train_tokens: an export records neither its training step nor its tokens; ``train_step`` is read from
-``<run>/DONE`` when the export is a run's own ``<run>/drafter``, ``train_tokens`` only from
+train_tokens: from the export's ``training`` record (``torchspec.export.serving.export_training``), else
+``train_step`` is read from ``<run>/DONE`` when the export is a run's own ``<run>/drafter``, ``train_tokens`` from
 ``--train-tokens NAME=N`` (else null).
 
     # H200, SmolLM2 (tools/device_smollm2.sh joined the GGUF under /tmp/work): one prompt set per call
@@ -95,7 +101,8 @@ ROW_KEYS = ("drafter", "train_tokens", "prompt_set", "mode", "temperature", "con
 MODES = {"chain": 0.0, "tree": 0.0, "sampled_tree": 1.0}  # mode -> temperature
 TOLERANCE = 0.05  # served chain vs simulated acceptance (issue 15's target)
 ARCHS = {"torchspec_eagle4": "eagle4", "torchspec_eagle3": "eagle3"}
-DIAGNOSTICS = {"sim": "simulated_acceptance", "ids": "simulated_served_ids", "starts": "simulated_round_starts",
+DIAGNOSTICS = {"marg": "simulated_acceptance_marginals", "sim": "simulated_acceptance",
+               "ids": "simulated_served_ids", "starts": "simulated_round_starts",
                "chain": "simulated_chain_mean", "replay": "simulated_replay", "served": "served_acceptance"}
 
 
@@ -307,8 +314,10 @@ def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict
                        "speedup": stats["tokens_per_s"] / base["tokens_per_s"], "tokens_per_s": stats["tokens_per_s"],
                        "plain_tokens_per_s": base["tokens_per_s"], "rounds": stats["rounds"],
                        "decode_tokens": stats["decode_tokens"],
+                       "simulated_acceptance_marginals": sim["simulated_acceptance_marginals"],
                        "simulated_acceptance_efficient_lb": sim["simulated_acceptance_efficient_lb"],
                        "simulated_served_ids": sim["served_ids"]["acceptance"],
+                       "simulated_served_ids_chain": sim["served_ids"]["chain_acceptance"],
                        "simulated_round_starts": sim["round_starts"]["acceptance"],
                        "simulated_chain_mean": sim["chain_mean"], "simulated_replay": sim["replay"]}
                 greedy_chain = mode == "chain" and temp == 0.0
@@ -384,7 +393,7 @@ def format_row(r: dict) -> str:
 
 
 def print_table(out: dict) -> None:
-    print(f"\ndevice: {out['device']} ({out['dtype']}), depth K={out['depth']}; columns sim .. served: the module "
+    print(f"\ndevice: {out['device']} ({out['dtype']}), depth K={out['depth']}; columns marg .. served: the module "
           f"docstring's steps from the trainer's metric to the engine")
     print(f"{'drafter':<12} {'set':<10} {'mode':<12} {'T':>3} {'c':>4} "
           + " ".join(f"{k:>6}" for k in DIAGNOSTICS) + f" {'ratio':>6} {'speedup':>7}")

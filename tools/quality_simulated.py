@@ -2,7 +2,9 @@
 
 The conversations (prompt + the target's own response) go through the trainer's
 ``tokenize_conversation`` / ``collate`` and ``torchspec.train.step.evaluate`` with K = depth steps:
-``simulated_acceptance`` is its ``eval/acceptance_length`` (no second definition of acceptance).
+``simulated_acceptance`` is its ``eval/chain_acceptance`` (greedy chain rounds of depth K walked over
+each response as serving runs them, with the token serving proposes), ``simulated_acceptance_marginals`` its
+``eval/acceptance_length`` (the product of per-step accuracies); no second definition of acceptance.
 The per-position argmaxes are read from inside the trainer's fused head-loss call, so the rounds
 serving would walk can be replayed from them (``replay_rounds``) to decompose a served-vs-simulated
 gap.
@@ -145,8 +147,8 @@ def replay_rounds(correct: torch.Tensor, prompt_len: int, num_generated: int) ->
 
 def simulated_entry(name: str, set_name: str, depth: int, counts: dict, text_metrics: dict, ids_metrics: dict,
                     records: list[dict], per_example: list[torch.Tensor]) -> dict:
-    """One drafter x prompt set: sim, ids, starts, chain and replay of the module docstring (per-example
-    results and replayed rounds under ``_per_example`` / ``_replays``, kept out of the JSON)."""
+    """One drafter x prompt set: marg, sim, ids, starts, chain and replay of bench_quality's docstring
+    (per-example results and replayed rounds under ``_per_example`` / ``_replays``, kept out of the JSON)."""
     from torchspec.train.ttt import acceptance_length
 
     correct, scored, chains, replays = torch.zeros(depth), torch.zeros(depth), [], []
@@ -159,11 +161,13 @@ def simulated_entry(name: str, set_name: str, depth: int, counts: dict, text_met
     rounds = sum(map(len, replays))
     lb = "eval/acceptance_length_efficient_lb"
     return {"drafter": name, "prompt_set": set_name, "depth": depth, **counts,
-            "simulated_acceptance": text_metrics["eval/acceptance_length"],
+            "simulated_acceptance": text_metrics["eval/chain_acceptance"],
+            "simulated_acceptance_marginals": text_metrics["eval/acceptance_length"],
             "acc": [text_metrics[f"eval/acc_{k}"] for k in range(depth)],
             "simulated_acceptance_efficient_lb": text_metrics.get(lb),
             "served_ids": {"acceptance": ids_metrics["eval/acceptance_length"], "efficient_lb": ids_metrics.get(lb),
-                           "acc": [ids_metrics[f"eval/acc_{k}"] for k in range(depth)]},
+                           "acc": [ids_metrics[f"eval/acc_{k}"] for k in range(depth)],
+                           "chain_acceptance": ids_metrics["eval/chain_acceptance"]},
             "round_starts": {"acceptance": acceptance_length(torch.tensor(starts)), "acc": starts},
             "chain_mean": sum(chains) / len(chains) if chains else None,
             "replay": sum(map(sum, replays)) / rounds if rounds else None, "replay_rounds": rounds,

@@ -31,7 +31,8 @@ class EchoEngine:
 
     def unroll(self, input_ids, loss_mask, aux, teacher, denominators, num_steps, decay, **_):
         k = torch.ones(num_steps, dtype=torch.float64)
-        return TTTResult(loss=teacher.hidden.sum(), kl_sum=aux[2].sum() * k, correct=k, valid=k * 2, aux={})
+        return TTTResult(loss=teacher.hidden.sum(), kl_sum=aux[2].sum() * k, correct=k, valid=k * 2,
+                         chain_tokens=k.sum() * 3, chain_rounds=k.sum(), aux={})
 
 
 def batches(n):

@@ -1,10 +1,14 @@
 """Metric sinks: stdout, ``metrics.jsonl`` (one JSON object per logged step), wandb, and the PNG
 plot of loss and held-out acceptance length written at the end of a run.
 
-Keys: ``train/loss``, ``train/acc_k``, ``train/kl_k``, ``train/acceptance_length``, ``train/lr``,
-``train/grad_norm``, ``train/tokens_per_s`` (real, non-padding tokens per second over all ranks) and the same ``eval/...`` keys on the held-out set.
+Keys: ``train/loss``, ``train/acc_k``, ``train/kl_k``, ``train/acceptance_length``,
+``train/chain_acceptance``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s`` (real, non-padding
+tokens per second over all ranks) and the same ``eval/...`` keys on the held-out set.
 ``acceptance_length = 1 + sum_k prod_{i<=k} acc_k``: the 1 is the bonus token every verification
 round yields, so an untrained drafter scores ~1.0 and a perfect one ``ttt_steps + 1``.
+``chain_acceptance``: what a greedy chain of depth K would accept per round, averaged over start
+positions: the joint leading run, with the token an efficient head would actually propose; comparable
+with served chain acceptance (``torchspec.train.ttt.chain_sums``).
 
 Crash safety: every record is fsynced as it is appended, so a checkpoint written after it can
 count on it; a resume drops the records logged after its checkpoint (and a line torn by a crash

@@ -40,6 +40,8 @@ class StepStats:
     kl_sum: torch.Tensor | None = None
     correct: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    chain_tokens: torch.Tensor | None = None  # greedy chain rounds walked over held-out responses (eval)
+    chain_rounds: torch.Tensor | None = None
     tokens: torch.Tensor | int = 0  # real (non-padding) tokens, on the device until a log step
     steps: int = 0
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -52,6 +54,8 @@ class StepStats:
         self.kl_sum = acc(self.kl_sum, result.kl_sum.double())
         self.correct = acc(self.correct, result.correct)
         self.valid = acc(self.valid, result.valid)
+        self.chain_tokens = acc(self.chain_tokens, result.chain_tokens)
+        self.chain_rounds = acc(self.chain_rounds, result.chain_rounds)
         for key, value in result.aux.items():
             self.extra[key] = acc(self.extra.get(key), value.double())
         self.tokens = self.tokens + tokens
@@ -59,7 +63,7 @@ class StepStats:
     def all_reduce(self) -> None:
         """Sum over every rank: each holds different sequences (loss terms are already divided by
         the global count, so their sum is the global loss)."""
-        for name in ("loss", "kl_sum", "correct", "valid"):
+        for name in ("loss", "kl_sum", "correct", "valid", "chain_tokens", "chain_rounds"):
             all_reduce_sum(getattr(self, name))
         for value in self.extra.values():
             all_reduce_sum(value)
@@ -67,6 +71,8 @@ class StepStats:
     def summary(self, prefix: str) -> dict[str, float]:
         """Host sync happens here (log steps only). Call ``all_reduce`` first on every rank."""
         out = {f"{prefix}/{k}": v for k, v in summarize(self.kl_sum, self.correct, self.valid).items()}
+        if float(self.chain_rounds) > 0:  # walked (held-out evaluation)
+            out[f"{prefix}/chain_acceptance"] = float(self.chain_tokens / self.chain_rounds)
         out[f"{prefix}/loss"] = float(self.loss) / max(self.steps, 1)
         if "moe_expert_load" in self.extra:  # [K, E] token-slot counts summed since the last log
             load = self.extra["moe_expert_load"]
@@ -104,8 +110,9 @@ def target_forward(target, batch: dict[str, torch.Tensor], tp_group) -> tuple[li
 
 
 def run_micro_batch(target, engine, batch: dict[str, torch.Tensor], opts: TTTOptions,
-                    denominators: torch.Tensor, tp_group=None, captured=None) -> TTTResult:
-    """``captured``: this batch's (aux states, last hidden) if already known (held-out cache)."""
+                    denominators: torch.Tensor, tp_group=None, captured=None, walk_chains: bool = False) -> TTTResult:
+    """``captured``: this batch's (aux states, last hidden) if already known (held-out cache);
+    ``walk_chains``: also walk serving's greedy chain rounds (``ttt.chain_rounds``; one host read)."""
     aux, last = captured if captured is not None else target_forward(target, batch, tp_group)
     # The teacher stays (post-norm last hidden, LM head): its distribution is computed chunk by
     # chunk inside the fused loss, never as [B, T, V].
@@ -114,7 +121,7 @@ def run_micro_batch(target, engine, batch: dict[str, torch.Tensor], opts: TTTOpt
                          opts.num_steps, opts.decay, attention_mask=batch["attention_mask"],
                          **packing_keys(batch), moe_aux_coef=opts.moe_aux_coef,
                          lowrank_coef=opts.lowrank_coef, lowrank_teacher=opts.lowrank_teacher,
-                         head_loss=opts.head_loss)
+                         head_loss=opts.head_loss, walk_chains=walk_chains)
 
 
 def packing_keys(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -163,7 +170,7 @@ def evaluate(target, engine, batches: list[dict[str, torch.Tensor]], opts: TTTOp
             size = sum(t.numel() * t.element_size() for t in (*captured[0], captured[1]))
             if use_cache and sum(c[2] for c in cache.values()) + size <= EVAL_CACHE_BYTES:
                 cache[i] = (*captured, size)
-        stats.add(run_micro_batch(target, engine, b, opts, denominators, tp_group, captured[:2]),
+        stats.add(run_micro_batch(target, engine, b, opts, denominators, tp_group, captured[:2], walk_chains=True),
                   tokens=b["attention_mask"].sum())
     stats.steps = 1
     stats.all_reduce()

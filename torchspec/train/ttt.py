@@ -34,6 +34,13 @@ stacked by target position p = t + k + 1 so each position's teacher distribution
 Packed rows (``document_ids``, ``position_ids`` per document): RoPE uses the position inside the
 document, attention stays inside the document, and step k at t is valid only if x_t and the
 predicted x_{t+k+2} belong to the same document (``scored_mask``).
+
+Acceptance, two ways: ``acceptance_length`` multiplies the per-step accuracies (marginals over
+different positions; every log step); ``chain_rounds`` (held-out evaluation) walks the greedy chain
+rounds of depth K that serving runs over each response, round after round, and gives what serving
+reports: committed tokens per round. A draft counts as correct only if it is the token serving would
+propose (an efficient head drafts its best top-k candidate, so a dense argmax outside the scorer's
+top-k is not accepted).
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ class TTTResult:
     kl_sum: torch.Tensor  # [K] sum of KL over valid tokens
     correct: torch.Tensor  # [K] valid tokens whose draft argmax equals the target argmax
     valid: torch.Tensor  # [K] number of valid tokens
+    chain_tokens: torch.Tensor  # scalar fp64: tokens greedy chain rounds commit (``chain_rounds``; 0 unless walked)
+    chain_rounds: torch.Tensor  # scalar fp64: those rounds
     aux: dict[str, torch.Tensor]  # extra per-model metrics (e.g. MoE load) summed over steps
 
 
@@ -84,6 +93,50 @@ def scored_mask(loss_mask: torch.Tensor, num_steps: int, document_ids: torch.Ten
 def valid_counts(loss_mask: torch.Tensor, num_steps: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T] loss mask -> [K] count of valid (scored) tokens per TTT step."""
     return scored_mask(loss_mask, num_steps, document_ids).sum((0, 1)).to(torch.float64)
+
+
+def chain_rounds(correct: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor,
+                 document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy chain rounds of depth K serving runs over every response, from [B, T, K] bool tensors by
+    TARGET position: ``correct`` (the token serving would propose is the target's) and ``valid``
+    (``scored_mask``), and the [B, T] loss mask / document ids -> (tokens committed, rounds), fp64 scalars.
+    Reads the tensors to the host once.
+
+    Step k from input position t predicts x_{t+k+2} (target position t + k + 1). Serving takes a
+    response's first token x_P from the prefill, so a round can start at t iff x_{t+1} is a response token
+    of t's document and step 0 from t is scored: the first at t = P - 1. A round commits 1 + the leading
+    run of correct steps, cut to the response (at most E - t - 1 tokens for a response ending at x_E), and
+    the next round starts that many positions later; then the next response (or document) begins. This
+    is serving's own weighting of positions: a stretch the drafter gets right is crossed in few rounds.
+    """
+    b, t, k = correct.shape
+    by_start = torch.stack([shift_left(correct[..., i], i + 1, False) for i in range(k)], -1).cpu()
+    starts = shift_left(valid[..., 0], 1, False).cpu()  # [B, T]: step 0 from t is scored
+    generated = shift_left(loss_mask.bool(), 1, False)  # x_{t+1} is a response token ...
+    if document_ids is not None:  # ... of t's own document
+        generated = generated & (shift_left(document_ids, 1, -3) == document_ids)
+    run = by_start.long().cumprod(-1).sum(-1)  # [B, T] leading correct steps
+    positions = torch.arange(t).expand(b, t)
+    left = _next_at_or_after(~starts)[:, :t] - positions  # scored starts from t to the response's end
+    committed = torch.minimum(1 + run, left)
+    next_round = _next_at_or_after(starts & generated.cpu())  # [B, T+1]: the first round start at or after x
+    pos = next_round[:, 0].clone()
+    tokens = rounds = 0
+    rows = torch.arange(b)
+    while bool((live := pos < t).any()):
+        c = committed[rows, pos.clamp(max=t - 1)]
+        tokens, rounds = tokens + int(c[live].sum()), rounds + int(live.sum())
+        pos = torch.where(live, next_round[rows, (pos + c).clamp(max=t)], t)
+    return (torch.tensor(float(tokens), dtype=torch.float64, device=valid.device),
+            torch.tensor(float(rounds), dtype=torch.float64, device=valid.device))
+
+
+def _next_at_or_after(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool -> [B, T + 1] long: the first u >= x with mask[u], T where there is none."""
+    b, t = mask.shape
+    index = torch.where(mask, torch.arange(t), t)
+    index = torch.cat([index, torch.full((b, 1), t)], 1)
+    return index.flip(1).cummin(1).values.flip(1)
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
@@ -143,6 +196,7 @@ def ttt_unroll(
     lowrank_coef: float = 1.0,
     lowrank_teacher: str = "target",
     head_loss: HeadLossConfig = HeadLossConfig(),
+    walk_chains: bool = False,
 ) -> TTTResult:
     """Run K = ``num_steps`` TTT steps, then score all of them in one fused head-loss pass.
 
@@ -178,6 +232,12 @@ def ttt_unroll(
     loss = out.loss
     target_argmax = out.target_argmax[:, None]  # [N, 1]
     correct = (drafter.draft_to_target_ids(out.argmax) == target_argmax) & valid  # [N, K]
+    if walk_chains:  # serving proposes the dense argmax only when it is among an efficient head's top-k
+        served = correct & out.full_in_topk if efficient else correct  # [N, K]
+        chain_tokens, chain_count = chain_rounds(served.view(b, t, num_steps), valid.view(b, t, num_steps),
+                                                 loss_mask, document_ids)
+    else:
+        chain_tokens = chain_count = torch.zeros((), dtype=torch.float64, device=valid.device)
     aux: dict[str, torch.Tensor] = {}
     if efficient:
         aux["lowrank_kl_sum"] = torch.where(valid, out.scorer_kl, 0).sum(0).double().detach()
@@ -196,12 +256,15 @@ def ttt_unroll(
         kl_sum=torch.where(valid, out.kl, 0).sum(0).detach(),
         correct=correct.sum(0).to(torch.float64),
         valid=valids.to(torch.float64),
+        chain_tokens=chain_tokens,
+        chain_rounds=chain_count,
         aux=aux,
     )
 
 
 def acceptance_length(step_accuracy: torch.Tensor) -> float:
-    """Simulated acceptance length = 1 + sum_k prod_{i<=k} acc_i.
+    """Simulated acceptance length = 1 + sum_k prod_{i<=k} acc_i: the product of marginals over
+    different positions (steps are correlated; ``chain_rounds`` walks serving's rounds).
 
     The leading 1 is the bonus token the target always contributes in a verification round;
     a drafter that is never right gives 1.0, a perfect K-step drafter gives K + 1.
