@@ -8,7 +8,8 @@
 Reads a ShareGPT / OpenAI-messages file (or a finished ``data_pipelines.regenerate`` output, every
 shard verified) with ``torchspec.data`` (``read_source``), tokenises it with ``Dataset.map`` over
 ``num_proc`` processes (``template.tokenize_conversation``: the trainer's chat template and mask),
-keeps the first ``data.max_conversations`` examples, splits them with the trainer's rule
+keeps the examples the trainer keeps (``dataset.KeptExamples``: exact duplicates dropped with
+``data.dedup``, then the first ``data.max_conversations``), splits them with the trainer's rule
 (``dataset.held_out_indices``), packs the training split with ``packing.pack_examples`` when
 ``data.pack``, and writes ``torchspec.data.prepared``'s layout.
 
@@ -40,7 +41,7 @@ from tqdm import tqdm
 
 from data_pipelines.config import run_pipeline
 from torchspec.config import DataConfig, validate_data_config
-from torchspec.data.dataset import Example, held_out_indices
+from torchspec.data.dataset import Example, KeptExamples, held_out_indices
 from torchspec.data.formats import SkipConversation, SkipStats
 from torchspec.data.packing import pack_examples
 from torchspec.data.prepared import (
@@ -109,7 +110,8 @@ def prepare(cfg: PrepareConfig) -> Path:
     manifest = {"format": PREPARED_FORMAT, "fingerprint": fp, "identity": identity,
                 "settings": {"target": cfg.target, "tokenizer_path": target_path, "data": asdict(d)},
                 "counts": {"train": train.counts(), "eval": evaluation.counts()},
-                "skips": {"kept": stats.kept, "skipped": dict(stats.skipped), "repaired": dict(stats.repaired)},
+                "skips": {"kept": stats.kept, "skipped": dict(stats.skipped), "repaired": dict(stats.repaired),
+                          "duplicates": stats.duplicates},
                 "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "torchspec_version": importlib.metadata.version("torchspec")}
 
@@ -142,13 +144,14 @@ def _changed(old: dict, new: dict) -> list[str]:
 
 @dataclass
 class Tokenized:
-    """Every tokenised conversation, in source order, as flat columns (skipped ones have length 0)."""
+    """Every tokenised conversation, in source order, as flat columns (skipped ones have length 0),
+    and which of them are examples (``KeptExamples``, as ``build_datasets`` keeps them)."""
 
     input_ids: np.ndarray  # [N] int32
     loss_mask: np.ndarray  # [N] int8
     lengths: np.ndarray  # [C] tokens per conversation
-    skips: list[str]  # [C] "" or the SkipConversation reason
-    stats: SkipStats  # of the reading (formats), before tokenisation
+    examples: list[int]  # source positions of the kept examples, in source order
+    stats: SkipStats  # reading, tokenisation skips and duplicates, counted as build_datasets counts them
     conversations: int  # conversations read and tokenised
 
 
@@ -168,23 +171,24 @@ def _tokenize_batch(batch: dict, tokenizer, max_length: int, on_too_long: str) -
 
 
 def tokenize_source(cfg: PrepareConfig, tokenizer, fp: str, work: Path) -> Tokenized:
-    """Tokenise the source chunk by chunk (each cached under ``work``) until ``max_conversations``
-    examples survive or the source ends."""
+    """Tokenise the source chunk by chunk (each cached under ``work``) and select the examples in source
+    order, until ``max_conversations`` are kept or the source ends."""
     import datasets
 
     d, cap = cfg.data, cfg.data.max_conversations
     features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
                                   "loss_mask": datasets.List(datasets.Value("int8")),
                                   "skip": datasets.Value("string")})
-    stats, kept, read = SkipStats(), 0, 0
-    ids, masks, lengths, skips = [], [], [], []
+    stats, read = SkipStats(), 0
+    kept = KeptExamples(stats, d.dedup, cap)
+    ids, masks, lengths, examples = [], [], [], []
     bar = tqdm(total=cap, desc="prepare", unit="conv", dynamic_ncols=True, mininterval=1)
     progress_bars = datasets.utils.logging.is_progress_bar_enabled()
     datasets.utils.logging.disable_progress_bar()  # one bar for the whole source, not one per chunk
     try:
         with closing(read_source(d.path, d.format, stats)) as stream:
             for k in itertools.count():
-                want = cfg.chunk_size if cap is None else min(cfg.chunk_size, max(64, math.ceil(1.25 * (cap - kept))))
+                want = cfg.chunk_size if cap is None else min(cfg.chunk_size, max(64, math.ceil(1.25 * (cap - kept.kept))))
                 chunk = list(itertools.islice(stream, want))
                 if not chunk:
                     break
@@ -198,33 +202,31 @@ def tokenize_source(cfg: PrepareConfig, tokenizer, fp: str, work: Path) -> Token
                 ids.append(table.column("input_ids").combine_chunks().flatten().to_numpy())
                 masks.append(table.column("loss_mask").combine_chunks().flatten().to_numpy())
                 lengths.append(table.column("input_ids").combine_chunks().value_lengths().to_numpy())
-                skips += table.column("skip").to_pylist()
+                before, starts = kept.kept, np.concatenate([[0], np.cumsum(lengths[-1])])
+                for j, reason in enumerate(table.column("skip").to_pylist()):  # as build_datasets, one by one
+                    if reason:
+                        stats.skip(reason)
+                    elif kept.keep(ids[-1][starts[j]:starts[j + 1]], masks[-1][starts[j]:starts[j + 1]]):
+                        examples.append(read + j)
+                    if kept.full:
+                        break
                 read += len(chunk)
-                survived = int((lengths[-1] > 0).sum())
-                kept += survived
-                bar.update(survived if cap is not None else len(chunk))
+                bar.update(kept.kept - before if cap is not None else len(chunk))
                 bar.set_postfix(tokens=int(sum(x.sum() for x in lengths)))
-                if cap is not None and kept >= cap:
+                if kept.full:
                     break
     finally:
         bar.close()
         if progress_bars:
             datasets.utils.logging.enable_progress_bar()
     flat = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
-    return Tokenized(flat(ids, np.int32), flat(masks, np.int8), flat(lengths, np.int64), skips, stats, read)
+    stats.kept = kept.kept
+    return Tokenized(flat(ids, np.int32), flat(masks, np.int8), flat(lengths, np.int64), examples, stats, read)
 
 
 def split_and_pack(tokens: Tokenized, d: DataConfig) -> tuple[Rows, Rows, SkipStats]:
-    """The first ``max_conversations`` examples, split by the trainer's rule, the training split packed."""
-    stats = tokens.stats
-    survivors = [i for i, reason in enumerate(tokens.skips) if not reason]
-    if d.max_conversations is not None:
-        survivors = survivors[: d.max_conversations]
-    seen = survivors[-1] + 1 if d.max_conversations is not None and survivors else len(tokens.skips)
-    for reason in tokens.skips[:seen]:  # as build_datasets counts: up to the last example it keeps
-        if reason:
-            stats.skip(reason)
-    stats.kept = len(survivors)
+    """The kept examples split by the trainer's rule, the training split packed."""
+    stats, survivors = tokens.stats, tokens.examples
     if len(survivors) < d.eval_size + 1:
         raise ValueError(f"only {len(survivors)} examples survived from {d.path!r}, fewer than data.eval_size + 1 = "
                          f"{d.eval_size + 1} ({stats.summary()}); use a larger file, a smaller data.eval_size, or a "

@@ -260,7 +260,7 @@ def run_workers(cfg: RegenerateConfig, device: torch.device, dtype: torch.dtype,
                 dead = [w for w, p in enumerate(workers) if w not in outcomes and p.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(f"regenerate worker {dead[0]} died (exit code {workers[dead[0]].exitcode}) "
-                                       f"without a result; rerun to resume from the shards written so far.")
+                                       f"without a result; rerun to resume from the shards written so far.") from None
     finally:
         for process in workers:
             if process.is_alive() and len(outcomes) < len(workers):

@@ -74,6 +74,10 @@ class DataConfig:
     max_conversations: int | None = None  # read at most this many usable conversations
     eval_size: int = 64  # held-out conversations, fixed by seed
     seed: int = 0
+    # Drop exact duplicate examples (same token ids and mask; the first stays) before the split: greedy
+    # regeneration makes ShareGPT's repeated prompts identical conversations, and a held-out copy of a
+    # training conversation inflates held-out acceptance.
+    dedup: bool = True
     chat_template: str | None = None  # override the tokenizer's Jinja chat template
 
 

@@ -3,9 +3,10 @@ and rebuilds, restart after a kill, and the trainer's refusal of a prepared set 
 
 * ``build_datasets`` on a prepared directory gives exactly the train / held-out examples (ids, masks,
   order) and skip counts of ``build_datasets`` on the source file, with and without
-  ``max_conversations``; the stored packed rows are ``pack_examples`` of those training examples;
+  ``max_conversations``, with the source's exact copies dropped (``data.dedup``) or kept; the stored
+  packed rows are ``pack_examples`` of those training examples;
 * an unchanged run prints "reused <dir>" and touches nothing; a changed max_length, chat template,
-  pack or source rebuilds;
+  pack, dedup or source rebuilds;
 * a run killed while tokenising (or while writing) leaves no ``output``; the rerun reuses the finished
   chunks and ends with the same directory as an uninterrupted run;
 * ``torchspec-train`` on a prepared directory whose max_length or chat template differs exits 2 with
@@ -32,16 +33,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EVAL = 6
 OTHER_TEMPLATE = CHATML_TEMPLATE.replace("You are a helpful assistant.", "You help.")
 MAX_LENGTH = 256  # conversations of ~90 tokens: packed rows hold two or more
+COPIES = 2  # exact copies in the source: 61 distinct examples, 63 tokenised conversations
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """60 conversations, one with no reply, one malformed line, one far too long."""
+    """60 conversations, one with no reply, one malformed line, one far too long, and two exact copies
+    (``COPIES``): one before the 25th example (the capped case), one after."""
     lines = [json.dumps(c) for c in make_conversations(60, seed=3)]
     lines.insert(7, json.dumps({"messages": [{"role": "user", "content": "no reply"}]}))
     lines.insert(20, "{broken")
     lines.insert(33, json.dumps({"messages": [{"role": "user", "content": "long"},
                                               {"role": "assistant", "content": "word " * 300}]}))
+    lines.insert(12, lines[2])
+    lines.append(lines[40])
     path = tmp_path_factory.mktemp("prepare_src") / "chats.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
@@ -74,14 +79,17 @@ def prepared(tmp_path_factory, tiny_llama_dir, source):
     return out
 
 
-@pytest.mark.parametrize("cap", [None, 25])
-def test_prepared_set_equals_the_in_process_examples(prepared, tmp_path, tiny_llama_dir, source, tiny_tokenizer, cap):
-    path = prepared if cap is None else prepare(config(tiny_llama_dir, source, tmp_path / "cap", max_conversations=cap))
+@pytest.mark.parametrize("cap, dedup", [(None, True), (25, True), (None, False)])
+def test_prepared_set_equals_the_in_process_examples(prepared, tmp_path, tiny_llama_dir, source, tiny_tokenizer, cap,
+                                                     dedup):
+    path = prepared if (cap, dedup) == (None, True) else \
+        prepare(config(tiny_llama_dir, source, tmp_path / "other", max_conversations=cap, dedup=dedup))
     train, held_out, stats = build_datasets(str(path), tiny_tokenizer, max_length=MAX_LENGTH, eval_size=EVAL, seed=0,
-                                            max_conversations=cap)
-    want_train, want_eval, want_stats = in_process(source, tiny_tokenizer, max_conversations=cap)
+                                            max_conversations=cap, dedup=dedup)
+    want_train, want_eval, want_stats = in_process(source, tiny_tokenizer, max_conversations=cap, dedup=dedup)
     assert rows(train) == rows(want_train) and rows(held_out) == rows(want_eval)
-    assert len(held_out) == EVAL and len(train) == (cap or 61) - EVAL
+    assert len(held_out) == EVAL and len(train) == (cap or 61 + (0 if dedup else COPIES)) - EVAL
+    assert stats.duplicates == want_stats.duplicates == (0 if not dedup else 1 if cap else COPIES)
     assert all(e.input_ids.dtype == e.loss_mask.dtype == torch.long for e in train + held_out)
     if cap is None:  # a cap stops in-process reading early; the prepared counts then differ in reading skips
         assert stats.summary() == want_stats.summary()
@@ -103,13 +111,14 @@ def test_unchanged_is_reused_and_changes_rebuild(prepared, tiny_llama_dir, sourc
     changed_source = tmp_path / "more.jsonl"
     changed_source.write_text(open(source).read() + json.dumps(make_conversations(1, seed=9)[0]) + "\n")
     changes = [({"max_length": 200}, "data.max_length"), ({"chat_template": OTHER_TEMPLATE}, "chat template"),
-               ({"pack": False}, "data.pack"), ({"path": str(changed_source)}, "source data")]
+               ({"pack": False}, "data.pack"), ({"dedup": False}, "data.dedup"),
+               ({"path": str(changed_source)}, "source data")]
     for change, why in changes:  # each one change away from the base config (and so from the previous build)
         prepare(config(tiny_llama_dir, source, out, **change))
         first, *rest = capsys.readouterr().out.splitlines()
         assert first.startswith(f"rebuilding {out}: ") and why in first and rest[-1].startswith("prepared"), first
         fingerprints.add(json.loads((out / MANIFEST).read_text())["fingerprint"])
-    assert len(fingerprints) == 5
+    assert len(fingerprints) == 6
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no work or temp dir left
 
 
@@ -134,7 +143,7 @@ def test_killed_run_restarts_cleanly(monkeypatch, prepared, tiny_llama_dir, sour
     monkeypatch.setattr(prepare_module, "save_rows", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):  # killed while writing: still no output
         prepare(config(tiny_llama_dir, source, out))
-    assert not out.exists() and sum(calls) == 61 - 32  # chunks 0 and 1 came from the cache
+    assert not out.exists() and sum(calls) == 61 + COPIES - 32  # chunks 0 and 1 came from the cache
 
     monkeypatch.undo()
     prepare(config(tiny_llama_dir, source, out))
@@ -171,7 +180,7 @@ def test_trainer_refuses_a_set_prepared_for_other_settings(prepared, tiny_llama_
 
 def test_another_tokenizer_or_template_is_refused(prepared):
     settings = {"format": "auto", "max_length": MAX_LENGTH, "on_too_long": "truncate", "max_conversations": None,
-                "eval_size": EVAL, "seed": 0}
+                "eval_size": EVAL, "seed": 0, "dedup": True}
     tokenizer = build_tiny_tokenizer(384)
     assert len(load_prepared(prepared, tokenizer, settings).train) == 61 - EVAL
     with pytest.raises(ValueError, match="another tokenizer"):
@@ -179,6 +188,8 @@ def test_another_tokenizer_or_template_is_refused(prepared):
     tokenizer.chat_template = OTHER_TEMPLATE  # what data.chat_template does
     with pytest.raises(ValueError, match=f"data.path={prepared}: its chat template .* differs"):
         load_prepared(prepared, tokenizer, settings)
+    with pytest.raises(ValueError, match="prepared with data.dedup=true, this run has data.dedup=false"):
+        load_prepared(prepared, build_tiny_tokenizer(384), settings | {"dedup": False})
 
 
 def test_command_line(prepared, tiny_llama_dir, source, tmp_path, capsys):

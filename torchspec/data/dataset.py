@@ -1,9 +1,10 @@
 """Training examples, the held-out split, batch collation and a resumable batch sampler.
 
 ``build_datasets`` turns a conversation file (or a finished regeneration directory,
-``torchspec.data.regenerated``) into tokenized ``Example``s and splits off a held-out set fixed by
-a seed (``held_out_indices``); a directory written by ``data_pipelines.prepare`` is read as it is
-(``torchspec.data.prepared``): the same examples and split, no tokenisation. ``collate`` right-pads
+``torchspec.data.regenerated``) into tokenized ``Example``s, drops exact duplicates
+(``KeptExamples``) and splits off a held-out set fixed by a seed (``held_out_indices``); a
+directory written by ``data_pipelines.prepare`` is read as it is (``torchspec.data.prepared``):
+the same examples and split, no tokenisation. ``collate`` right-pads
 a batch and adds the per-token ``position_ids`` and ``document_ids`` that packed rows
 (``torchspec.data.packing``) need.
 ``ResumableBatchSampler`` yields batches of example indices
@@ -14,10 +15,12 @@ that a resumed run sees exactly the batches an uninterrupted run would have seen
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -53,14 +56,17 @@ def build_datasets(
     max_conversations: int | None,
     on_too_long: str = "truncate",
     chat_template: str | None = None,
+    dedup: bool = True,
 ) -> tuple[list[Example], list[Example], SkipStats]:
     """Read, tokenize and split ``path`` into ``(train, eval, stats)``.
 
     ``max_conversations`` caps the number of examples that survive tokenization (reading stops
     once it is reached), so ``max_conversations=2000`` gives 2000 examples unless the file runs
-    out. The held-out set is ``eval_size`` examples chosen by a permutation seeded with ``seed``
-    alone (its own generator, not the global RNG): the same file, settings and seed always give
-    the same split. Both lists keep file order. ``chat_template``, if given, replaces the
+    out. With ``dedup`` an exact duplicate of an earlier example is dropped before the cap and the
+    split (``KeptExamples``; counted in ``stats.duplicates``), so no held-out example has a copy
+    among the training examples. The held-out set is ``eval_size`` examples chosen by a
+    permutation seeded with ``seed`` alone (its own generator, not the global RNG): the same file,
+    settings and seed always give the same split. Both lists keep file order. ``chat_template``, if given, replaces the
     tokenizer's own template (it is set on the tokenizer). ``stats.kept`` counts the examples.
     A prepared directory (``data_pipelines.prepare``) gives the same lists without tokenising, or a
     ValueError when it was prepared for another tokenizer, template or settings.
@@ -78,11 +84,12 @@ def build_datasets(
 
     if is_prepared_dir(path):
         settings = {"format": fmt, "max_length": max_length, "on_too_long": on_too_long,
-                    "max_conversations": max_conversations, "eval_size": eval_size, "seed": seed}
+                    "max_conversations": max_conversations, "eval_size": eval_size, "seed": seed, "dedup": dedup}
         prepared = load_prepared(path, tokenizer, settings)
         return prepared.train, prepared.eval, prepared.stats
 
     stats = SkipStats()
+    kept = KeptExamples(stats, dedup, max_conversations)
     examples: list[Example] = []
     with closing(read_source(path, fmt, stats)) as conversations:
         for messages in conversations:
@@ -91,8 +98,9 @@ def build_datasets(
             except SkipConversation as skip:
                 stats.skip(skip.reason)
                 continue
-            examples.append(Example(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)))
-            if max_conversations is not None and len(examples) >= max_conversations:
+            if kept.keep(ids, mask):
+                examples.append(Example(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)))
+            if kept.full:
                 break
     stats.kept = len(examples)
 
@@ -105,6 +113,40 @@ def build_datasets(
     train = [e for i, e in enumerate(examples) if i not in held_out]
     evaluation = [e for i, e in enumerate(examples) if i in held_out]
     return train, evaluation, stats
+
+
+class KeptExamples:
+    """THE rule for which tokenised conversations become examples, applied in file order before the
+    split by ``build_datasets`` and ``data_pipelines.prepare`` alike.
+
+    With ``dedup``, an example whose ``input_ids`` and ``loss_mask`` both equal an earlier example's
+    is dropped (the first occurrence stays) and counted in ``stats.duplicates``: regenerating
+    ShareGPT greedily turns its many identical prompts ("continue", "hi") into identical
+    conversations, and a held-out copy of a training example inflates held-out acceptance.
+    ``full`` says ``max_conversations`` examples are kept (duplicates do not count).
+    """
+
+    def __init__(self, stats: SkipStats, dedup: bool, max_conversations: int | None):
+        self.stats, self.dedup, self.max_conversations = stats, dedup, max_conversations
+        self.kept = 0
+        self._seen: set[bytes] = set()  # 16-byte digests: ShareGPT-sized sets cost a few MB
+
+    def keep(self, input_ids: list[int] | np.ndarray, loss_mask: list[int] | np.ndarray) -> bool:
+        """Whether the next example in file order is kept."""
+        if self.dedup:
+            # ids and mask have one length, so their bytes back to back name the example unambiguously
+            tokens = np.asarray(input_ids, dtype=np.int64).tobytes() + np.asarray(loss_mask, dtype=np.int8).tobytes()
+            key = hashlib.blake2b(tokens, digest_size=16).digest()
+            if key in self._seen:
+                self.stats.duplicates += 1
+                return False
+            self._seen.add(key)
+        self.kept += 1
+        return True
+
+    @property
+    def full(self) -> bool:
+        return self.max_conversations is not None and self.kept >= self.max_conversations
 
 
 def held_out_indices(num_examples: int, eval_size: int, seed: int) -> set[int]:

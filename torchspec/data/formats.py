@@ -85,12 +85,14 @@ class SkipStats:
 
     ``skipped`` counts whole conversations (or, for ``malformed_json_line`` and
     ``truncated_file_tail``, unreadable records); ``repaired`` counts the individual messages
-    that normalisation dropped or merged inside the conversations it kept.
+    that normalisation dropped or merged inside the conversations it kept; ``duplicates`` counts
+    the examples dropped as exact copies of an earlier one (``data.dedup``, ``dataset.KeptExamples``).
     """
 
     kept: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
     repaired: Counter[str] = field(default_factory=Counter)
+    duplicates: int = 0
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] += 1
@@ -104,6 +106,8 @@ class SkipStats:
         text = f"kept {self.kept}, skipped {self.total_skipped}"
         if self.skipped:
             text += " (" + ", ".join(f"{k}: {v}" for k, v in self.skipped.most_common()) + ")"
+        if self.duplicates:
+            text += f"; dropped {self.duplicates} exact duplicate conversations"
         if self.repaired:
             text += "; repaired " + ", ".join(f"{k}: {v}" for k, v in self.repaired.most_common())
         return text

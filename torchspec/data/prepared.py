@@ -12,8 +12,9 @@ mapped on load) and a manifest::
 Both splits have the columns input_ids (int32), loss_mask (int8), and per document of a row its
 length and its index in the split (document_lengths, document_indices): ``Rows``.
 
-The split is ``dataset.held_out_indices`` over the examples ``build_datasets`` would tokenise, so the
-trainer gets exactly the examples of the in-process path. ``build_datasets`` recognises a prepared
+The examples are those ``build_datasets`` would keep (``dataset.KeptExamples``: exact duplicates
+dropped with ``data.dedup``, the ``max_conversations`` cap) and the split is ``dataset.held_out_indices``
+over them, so the trainer gets exactly the examples of the in-process path. ``build_datasets`` recognises a prepared
 directory by its manifest (``data.path=<dir>``) and calls ``load_prepared``: no tokenisation at
 start-up. The training examples come back unpacked, in split order, so ``data.pack`` keeps its
 meaning; ``pack_examples`` of them gives the stored rows again (``load_train_rows``).
@@ -42,10 +43,10 @@ from torchspec.data.dataset import Example
 from torchspec.data.formats import SkipStats
 
 PREPARED_FORMAT = "torchspec-prepared"
-PREPARED_VERSION = 1
+PREPARED_VERSION = 2  # 2: data.dedup in the identity, skips.duplicates in the manifest
 MANIFEST = "manifest.json"
 # data.* keys that decide which examples exist and how they split; pack decides only the stored rows.
-EXAMPLE_SETTINGS = ("format", "max_length", "on_too_long", "max_conversations", "eval_size", "seed")
+EXAMPLE_SETTINGS = ("format", "max_length", "on_too_long", "max_conversations", "eval_size", "seed", "dedup")
 ROW_SETTINGS = ("pack",)
 _REPREPARE = "python -m data_pipelines.prepare"
 
@@ -216,7 +217,8 @@ def load_prepared(path: str | Path, tokenizer: PreTrainedTokenizerBase, settings
                          f"data.* keys to those in {Path(path) / MANIFEST}")
     train, evaluation = read_split(path, "train", manifest), read_split(path, "eval", manifest)
     skips = manifest["skips"]
-    stats = SkipStats(kept=skips["kept"], skipped=Counter(skips["skipped"]), repaired=Counter(skips["repaired"]))
+    stats = SkipStats(kept=skips["kept"], skipped=Counter(skips["skipped"]), repaired=Counter(skips["repaired"]),
+                      duplicates=skips["duplicates"])
     return PreparedData(train.examples(), evaluation.examples(), stats, manifest)
 
 
