@@ -213,6 +213,54 @@ def _bar_positions(profiles: list[tuple[str, Path]]) -> list[float]:
     return xs
 
 
+def plot_quality(metrics: dict[str, Path], quality: Path, out_acceptance: Path, out_speedup: Path) -> None:
+    """Issue 15: held-out acceptance against training tokens for each drafter (the trainer's held-out split,
+    solid; served greedy chain on MT-Bench / HumanEval at the exported step, markers), and served speedup
+    against concurrency for each drafter, prompt set and mode (tools/bench_quality.py rows)."""
+    data = json.loads(quality.read_text())
+    colors = {"eagle3": "tab:blue", "eagle4": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    for name, src in metrics.items():
+        rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
+        tokens = {r["step"]: r["train/tokens"] for r in rows if "train/tokens" in r}
+        tokens[0] = 0
+        evals = [(tokens[r["step"]] / 1e6, r["eval/acceptance_length"]) for r in rows
+                 if "eval/acceptance_length" in r and r["step"] in tokens]
+        ax.plot(*zip(*evals), "-o", ms=3, color=colors[name], label=f"{name}: trainer held-out (K=7)")
+    marks = {"mtbench": "s", "humaneval": "^"}
+    for r in data["rows"]:
+        if r["mode"] == "chain" and r["concurrency"] == 1:
+            ax.plot(r["train_tokens"] / 1e6, r["served_acceptance"], marks[r["prompt_set"]], ms=8,
+                    color=colors[r["drafter"]], mfc="none",
+                    label=f"{r['drafter']}: served chain K=5, {r['prompt_set']}")
+    ax.set_xlabel("training tokens (millions, real)")
+    ax.set_ylabel("acceptance (tokens per round)")
+    ax.set_title("SmolLM2-135M drafters on regenerated ShareGPT (H200, bf16)", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_acceptance, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    styles = {"tree": "-o", "chain": "--s", "sampled_tree": ":^"}
+    for ax, prompt_set in zip(axes, ("mtbench", "humaneval")):
+        for name in colors:
+            for mode, style in styles.items():
+                rows = sorted((r["concurrency"], r["speedup"]) for r in data["rows"]
+                              if r["drafter"] == name and r["mode"] == mode and r["prompt_set"] == prompt_set)
+                if rows:
+                    ax.plot(*zip(*rows), style, color=colors[name], label=f"{name} {mode}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(f"{prompt_set}: served speedup vs plain decoding", fontsize=9)
+    axes[0].set_ylabel("speedup (x)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_speedup, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     bench, img = ROOT / "docs" / "bench", ROOT / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -235,4 +283,8 @@ if __name__ == "__main__":
               ("SmolLM2 now", bench / "round_profile_smollm2_h200.json")]
     if all(p.exists() for _, p in rounds):
         plot_round(rounds, img / "round_cost.png")
+    quality = {name: bench / f"quality_smollm2_{name}_metrics.jsonl" for name in ("eagle3", "eagle4")}
+    if (bench / "quality_smollm2.json").exists() and all(p.exists() for p in quality.values()):
+        plot_quality(quality, bench / "quality_smollm2.json", img / "quality_acceptance_vs_tokens.png",
+                     img / "quality_speedup_vs_concurrency.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))
