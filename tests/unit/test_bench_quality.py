@@ -262,3 +262,20 @@ def test_bad_options_are_one_line_errors(tool, pair, prompt_file, tmp_path, caps
     assert err.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "q.json").exists()
+
+
+def test_train_tokens_come_from_the_exports_training_record(tool, tmp_path):
+    """An export written by training (or torchspec-export) records {step, train_tokens}: the rows carry them
+    without --train-tokens; --train-tokens overrides the tokens; an export without the record gives null."""
+    export = tmp_path / "e"
+    export.mkdir()
+    config = {"model_type": "eagle4", "dtype": "bfloat16", "aux_layer_ids": [1, 2, 3], "lm_head_rank": 8,
+              "training": {"step": 750, "train_tokens": 11228578}}
+    (export / "config.json").write_text(json.dumps(config))
+    record = tool.drafter_record("e4", str(export), None)
+    assert (record["train_step"], record["train_tokens"]) == (750, 11228578)
+    assert tool.drafter_record("e4", str(export), 5)["train_tokens"] == 5
+    del config["training"]
+    (export / "config.json").write_text(json.dumps(config))
+    assert (tool.drafter_record("e4", str(export), None)["train_tokens"], tool.drafter_record("e4", str(export), None)
+            ["train_step"]) == (None, None)
