@@ -124,9 +124,11 @@ def test_right_padding_cannot_reach_real_tokens(case):
     x = _ids(2, batch=2, seq=20)
     short = target.capture(x[:, :13])
     padded = target.capture(x)  # columns 13.. play the padding: after the real tokens
+    # fp32 noise only: the padded run's chunked delta rule sums in other chunk shapes (seen: 1.15e-5 on
+    # values up to ~5 on an AMD EPYC); padding that reached real tokens would move them by O(0.1-1)
     for got, want in zip([*padded.aux_hidden_states, padded.last_hidden_state],
                          [*short.aux_hidden_states, short.last_hidden_state]):
-        assert _diff(got[:, :13], want) <= 1e-5
+        assert _diff(got[:, :13], want) <= 1e-5 * max(1.0, want.abs().max().item())
 
 
 def test_packed_rows_equal_each_document_alone(case):
