@@ -33,22 +33,29 @@ left() { echo $(( ${CALL_S:-570} - ($(date +%s) - T0) )); }
 STEPS=${STEPS:-3000}
 NGPU=$(nvidia-smi -L | wc -l)
 
-train_both() {  # $1: seconds; resumes both runs from their latest checkpoints
-  local limit=$1 common
+# RUNS: the drafters trained side by side, "name:override,override ..." (GPU i % NGPU for the i-th); e.g. the
+# issue's ablations: RUNS="eagle4:drafter=eagle4 nopost:drafter=eagle4,drafter.fc_post_norm=false
+#                          moe:drafter=eagle4_moe"
+RUNS=${RUNS:-"eagle3:drafter=eagle3 eagle4:drafter=eagle4"}
+NAMES=$(for r in $RUNS; do printf '%s ' "${r%%:*}"; done)
+
+train_all() {  # $1: seconds; resumes every run from its latest checkpoint
+  local limit=$1 common i=0
   [ "$limit" -gt 90 ] || { echo "no time left to train ($limit s)"; return; }
   common="target.path=$W/smollm2.gguf target.cache_dir=$W/cache data=jsonl data.path=$W/regen
     data.max_length=2048 data.pack=true data.eval_size=64 train=gpu train.micro_batch_size=8 train.grad_accum=1
     train.lr=5e-4 train.warmup_steps=200 train.max_steps=$STEPS train.log_every=25 train.save_every=250
     train.keep_checkpoints=40 train.eval_every=250 train.report_to=none train.async_checkpoint=true"
-  for g in 0 1; do
-    arch=$([ $g = 0 ] && echo eagle3 || echo eagle4)
-    CUDA_VISIBLE_DEVICES=$(( g % NGPU )) timeout -s KILL "$limit" python3 recipes/train.py name=$arch \
-      train.output_dir="$W/$arch" drafter=$arch $common 2>&1 | grep -v "it/s\]" >> "$W/train_$arch.log" &
+  for run in $RUNS; do
+    name=${run%%:*} overrides=${run#*:}
+    CUDA_VISIBLE_DEVICES=$(( i % NGPU )) timeout -s KILL "$limit" python3 recipes/train.py name="$name" \
+      train.output_dir="$W/$name" ${overrides//,/ } $common 2>&1 | grep -v "it/s\]" >> "$W/train_$name.log" &
+    i=$(( i + 1 ))
   done
   wait
-  for arch in eagle3 eagle4; do
-    cp "$W/train_$arch.log" "$OUT/"; cp "$W/$arch/metrics.jsonl" "$OUT/${arch}_metrics.jsonl" 2>/dev/null
-    tail -3 "$W/train_$arch.log"
+  for name in $NAMES; do
+    cp "$W/train_$name.log" "$OUT/"; cp "$W/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+    tail -3 "$W/train_$name.log"
   done
 }
 
@@ -75,22 +82,22 @@ regenerate)
     max_new_tokens=768 max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 \
     | tee "$OUT/regenerate.log"
   cp "$W/regen/generation.json" "$OUT/" 2>/dev/null
-  grep -q '"complete": true' "$W/regen/generation.json" && train_both $(( $(left) - 15 ))
+  grep -q '"complete": true' "$W/regen/generation.json" && train_all $(( $(left) - 15 ))
   ;;
 train)
-  train_both $(( $(left) - 10 ))
+  train_all $(( $(left) - 10 ))
   ;;
 quality)
-  # equal tokens: both exported at the last step both runs have a checkpoint of (or their end-of-run exports)
-  common=$(comm -12 <(ls "$W/eagle3/checkpoints" | grep step_ | sort) <(ls "$W/eagle4/checkpoints" | grep step_ | sort) | tail -1)
+  # equal tokens: every run exported at the last step all of them have a checkpoint of
+  common=$(for name in $NAMES; do ls "$W/$name/checkpoints" | grep step_ | sort; done | sort | uniq -c \
+    | awk -v n="$(echo $NAMES | wc -w)" '$1 == n {print $2}' | tail -1)
   step=$((10#${common#step_}))
-  for arch in eagle3 eagle4; do
-    python3 recipes/export.py "$W/$arch" "$W/${arch}_export" --step "$step" --dtype bfloat16 2>&1 | tail -1
-    cp "$W/${arch}_export/config.json" "$OUT/${arch}_export_config.json"
+  args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --depth 5 --concurrency 1,8,64 --max-new-tokens 256)
+  for name in $NAMES; do
+    python3 recipes/export.py "$W/$name" "$W/${name}_export" --step "$step" --dtype bfloat16 2>&1 | tail -1
+    cp "$W/${name}_export/config.json" "$OUT/${name}_export_config.json"
+    args+=(--drafter "$name=$W/${name}_export")
   done
-  args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --drafter "eagle3=$W/eagle3_export"
-        --drafter "eagle4=$W/eagle4_export" --depth 5
-        --concurrency 1,8,64 --max-new-tokens 256)
   bench() {  # $1: GPU, $2: prompt set, $3: prompts
     CUDA_VISIBLE_DEVICES=$1 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --num-prompts "$3" \
       --prompt-set "$2" --out "$OUT/quality_$2.json" > "$OUT/quality_$2.log" 2>&1
