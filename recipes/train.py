@@ -201,7 +201,7 @@ def train(raw: DictConfig) -> None:
     train_set, eval_set, skips = build_datasets(
         d.path, tokenizer, fmt=d.format, max_length=d.max_length, eval_size=d.eval_size, seed=d.seed,
         max_conversations=d.max_conversations, on_too_long=d.on_too_long, chat_template=d.chat_template,
-        dedup=d.dedup)
+        dedup=d.dedup, eval_path=d.eval_path)
     conversations = len(train_set)
     if d.pack:
         train_set = pack_train_set(d.path, train_set, d.max_length)

@@ -73,6 +73,10 @@ class DataConfig:
     pack: bool = False
     max_conversations: int | None = None  # read at most this many usable conversations
     eval_size: int = 64  # held-out conversations, fixed by seed
+    # Held-out conversations from their own file or regeneration directory (its first eval_size), e.g.
+    # MT-Bench answered by the target (tools/heldout_conversations.py + data_pipelines.regenerate), instead
+    # of a split of data.path: the held-out metric then measures the prompts serving is judged on.
+    eval_path: str | None = None
     seed: int = 0
     # Drop exact duplicate examples (same token ids and mask; the first stays) before the split: greedy
     # regeneration makes ShareGPT's repeated prompts identical conversations, and a held-out copy of a

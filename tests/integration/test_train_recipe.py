@@ -163,3 +163,20 @@ def test_init_from_is_weights_only_and_checks_the_architecture(tmp_path, tiny_ll
     wrong = run_recipe(tmp_path / "c", tiny_llama_dir, tiny_chat_jsonl, *base, "train.max_steps=2",
                        "drafter.norm_output=false", f"train.init_from={tmp_path / 'a' / 'drafter'}")
     assert wrong.returncode == 2 and "differs from the configured Eagle4Config in ['norm_output']" in wrong.stderr
+
+
+def test_held_out_from_its_own_file_walks_servings_rounds(tmp_path, tiny_llama_dir, tiny_chat_jsonl):
+    """data.eval_path: every usable conversation trains (none split off), the held-out set is the eval file's first data.eval_size;
+    every eval logs eval/chain_acceptance (serving's rounds walked: >= 1, at most K + 1), training steps none."""
+    from tests.conftest import make_conversations
+
+    held_out = tmp_path / "heldout.jsonl"
+    held_out.write_text("".join(json.dumps(c) + "\n" for c in make_conversations(5, seed=7)))
+    run = run_recipe(tmp_path / "run", tiny_llama_dir, tiny_chat_jsonl, "train.max_steps=2", "train.plot=false",
+                     f"data.eval_path={held_out}", "data.eval_size=3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "data: 57 train / 3 held-out sequences; kept 57," in run.stdout + run.stderr  # 57 of 80 fit 64 tokens
+    records = read(tmp_path / "run" / "metrics.jsonl")
+    evals = [r for r in records if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [0, 2] and all(1.0 <= r["eval/chain_acceptance"] <= 4.0 for r in evals)
+    assert not any("train/chain_acceptance" in r for r in records)

@@ -57,8 +57,13 @@ def build_datasets(
     on_too_long: str = "truncate",
     chat_template: str | None = None,
     dedup: bool = True,
+    eval_path: str | None = None,
 ) -> tuple[list[Example], list[Example], SkipStats]:
     """Read, tokenize and split ``path`` into ``(train, eval, stats)``.
+
+    ``eval_path`` (a conversation file or regeneration directory, e.g. MT-Bench answered by the target):
+    the held-out set is its first ``eval_size`` conversations instead of a split of ``path``; every
+    example of ``path`` trains, except exact copies of a held-out one (with ``dedup``).
 
     ``max_conversations`` caps the number of examples that survive tokenization (reading stops
     once it is reached), so ``max_conversations=2000`` gives 2000 examples unless the file runs
@@ -73,7 +78,7 @@ def build_datasets(
     """
     if eval_size < 0:
         raise ValueError(f"eval_size={eval_size} must be >= 0")
-    if max_conversations is not None and max_conversations < eval_size + 1:
+    if eval_path is None and max_conversations is not None and max_conversations < eval_size + 1:
         raise ValueError(
             f"max_conversations={max_conversations} leaves no training example after eval_size={eval_size}; "
             f"raise max_conversations above {eval_size} or lower eval_size"
@@ -82,6 +87,10 @@ def build_datasets(
         tokenizer.chat_template = chat_template
     from torchspec.data.prepared import is_prepared_dir, load_prepared  # it imports Example from here
 
+    if eval_path is not None and is_prepared_dir(path):
+        raise ValueError(f"data.eval_path={eval_path!r} with the prepared directory {path!r}: its held-out split is "
+                         f"fixed when it is prepared; train on the conversations (or the regeneration) it was "
+                         f"prepared from, or drop data.eval_path.")
     if is_prepared_dir(path):
         settings = {"format": fmt, "max_length": max_length, "on_too_long": on_too_long,
                     "max_conversations": max_conversations, "eval_size": eval_size, "seed": seed, "dedup": dedup}
@@ -90,6 +99,11 @@ def build_datasets(
 
     stats = SkipStats()
     kept = KeptExamples(stats, dedup, max_conversations)
+    held_out_set = None
+    if eval_path is not None:
+        held_out_set = read_held_out(eval_path, tokenizer, fmt, max_length, on_too_long, eval_size)
+        for e in held_out_set:
+            kept.exclude(e.input_ids.tolist(), e.loss_mask.tolist())
     examples: list[Example] = []
     with closing(read_source(path, fmt, stats)) as conversations:
         for messages in conversations:
@@ -103,6 +117,10 @@ def build_datasets(
             if kept.full:
                 break
     stats.kept = len(examples)
+    if held_out_set is not None:
+        if not examples:
+            raise ValueError(f"no training example survived from {path!r} ({stats.summary()}).")
+        return examples, held_out_set, stats
 
     if len(examples) < eval_size + 1:
         raise ValueError(
@@ -113,6 +131,28 @@ def build_datasets(
     train = [e for i, e in enumerate(examples) if i not in held_out]
     evaluation = [e for i, e in enumerate(examples) if i in held_out]
     return train, evaluation, stats
+
+
+def read_held_out(path: str, tokenizer: PreTrainedTokenizerBase, fmt: str, max_length: int, on_too_long: str,
+                  eval_size: int) -> list[Example]:
+    """The first ``eval_size`` conversations of ``path`` that tokenize, in file order (``data.eval_path``)."""
+    stats, examples = SkipStats(), []
+    try:
+        with closing(read_source(path, fmt, stats)) as conversations:
+            for messages in conversations:
+                try:
+                    ids, mask = tokenize_conversation(tokenizer, messages, max_length, on_too_long)
+                except SkipConversation as skip:
+                    stats.skip(skip.reason)
+                    continue
+                examples.append(Example(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)))
+                if len(examples) == eval_size:
+                    break
+    except ValueError as err:  # a missing, empty or unreadable file, named by the reader
+        raise ValueError(f"data.eval_path={path!r}: {err}") from None
+    if not examples:
+        raise ValueError(f"data.eval_path={path!r}: no held-out conversation could be used ({stats.summary()}).")
+    return examples
 
 
 class KeptExamples:
@@ -131,12 +171,21 @@ class KeptExamples:
         self.kept = 0
         self._seen: set[bytes] = set()  # 16-byte digests: ShareGPT-sized sets cost a few MB
 
+    @staticmethod
+    def _key(input_ids: list[int] | np.ndarray, loss_mask: list[int] | np.ndarray) -> bytes:
+        # ids and mask have one length, so their bytes back to back name the example unambiguously
+        tokens = np.asarray(input_ids, dtype=np.int64).tobytes() + np.asarray(loss_mask, dtype=np.int8).tobytes()
+        return hashlib.blake2b(tokens, digest_size=16).digest()
+
+    def exclude(self, input_ids: list[int] | np.ndarray, loss_mask: list[int] | np.ndarray) -> None:
+        """With ``dedup``, a later copy of this example (a held-out one) is dropped as a duplicate."""
+        if self.dedup:
+            self._seen.add(self._key(input_ids, loss_mask))
+
     def keep(self, input_ids: list[int] | np.ndarray, loss_mask: list[int] | np.ndarray) -> bool:
         """Whether the next example in file order is kept."""
         if self.dedup:
-            # ids and mask have one length, so their bytes back to back name the example unambiguously
-            tokens = np.asarray(input_ids, dtype=np.int64).tobytes() + np.asarray(loss_mask, dtype=np.int8).tobytes()
-            key = hashlib.blake2b(tokens, digest_size=16).digest()
+            key = self._key(input_ids, loss_mask)
             if key in self._seen:
                 self.stats.duplicates += 1
                 return False

