@@ -19,7 +19,8 @@
 # CALL_S: the seconds this call may use (default 570); STEPS: the runs' train.max_steps. Results land in $OUT.
 # Measured on one H200 (docs/results.md, "Quality"): regeneration at 11.2K generated tokens/s (c=256), so a
 # whole ShareGPT pass needs more than one call; a stopped regeneration resumes from its finished shards.
-# The device lacks gguf: carry its wheel in .whl (pip download gguf).
+# The device lacks gguf: carry its wheel in .whl (pip download gguf). Training's held-out set is MT-Bench
+# answered by the target (data.eval_path), so eval/chain_acceptance vs tokens is the served-comparable curve.
 set -uo pipefail
 W=/tmp/work
 R=$(cd "$(dirname "$0")/.." && pwd)  # the repo (the carried snapshot)
@@ -45,7 +46,8 @@ train_all() {  # $1: seconds; resumes every run from its latest checkpoint
   common="target.path=$W/smollm2.gguf target.cache_dir=$W/cache data=jsonl data.path=$W/regen
     data.max_length=2048 data.pack=true data.eval_size=64 train=gpu train.micro_batch_size=8 train.grad_accum=1
     train.lr=5e-4 train.warmup_steps=200 train.max_steps=$STEPS train.log_every=25 train.save_every=250
-    train.keep_checkpoints=40 train.eval_every=250 train.report_to=none train.async_checkpoint=true"
+    train.keep_checkpoints=40 train.eval_every=250 train.report_to=none train.async_checkpoint=true
+    data.eval_path=$W/regen_mtbench data.eval_size=80"
   for run in $RUNS; do
     name=${run%%:*} overrides=${run#*:}
     CUDA_VISIBLE_DEVICES=$(( i % NGPU )) timeout -s KILL "$limit" python3 recipes/train.py name="$name" \
@@ -77,9 +79,14 @@ stage)
   ;;
 regenerate)
   [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" "$CARRY/.carryB/smol.part2" > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
+  # the held-out sets first (MT-Bench's 80 two-turn questions answered by the target: data.eval_path)
+  python3 tools/heldout_conversations.py --prompt-set mtbench --out "$W/mtbench.jsonl"
+  python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" source="$W/mtbench.jsonl" output="$W/regen_mtbench" \
+    cache_dir="$W/cache" concurrency=80 max_new_tokens=768 max_context=2048 2>&1 | tail -1 | tee -a "$OUT/regenerate.log"
+  # MAXCONV: ShareGPT conversations to answer; at the H200's 11.2K tokens/s about 6,000 fit one call
   timeout -s INT $(( $(left) - 30 )) python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
     source="$W/sg_users.jsonl" output="$W/regen" cache_dir="$W/cache" num_workers=$NGPU concurrency=$(( 256 / NGPU )) \
-    max_new_tokens=768 max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 \
+    max_conversations="${MAXCONV:-6000}" max_new_tokens=768 max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 \
     | tee "$OUT/regenerate.log"
   cp "$W/regen/generation.json" "$OUT/" 2>/dev/null
   grep -q '"complete": true' "$W/regen/generation.json" && train_all $(( $(left) - 15 ))
