@@ -16,7 +16,8 @@
 #   call 3: cd .snap && bash tools/device_quality.sh train        (carry .snap; repeat while time is left)
 #   call 4: cd .snap && bash tools/device_quality.sh quality      (carry .snap)
 #
-# CALL_S: the seconds this call may use (default 570); STEPS: the runs' train.max_steps. Results land in $OUT.
+# CALL_S: the seconds this call may use (default 570); STEPS: the runs' train.max_steps; SAVE_EVERY / EVAL_EVERY:
+# their checkpoint and held-out intervals (250; a run killed at the call's limit loses the steps since its last save). Results land in $OUT.
 # Measured on one H200 (docs/results.md, "Quality"): regeneration at 11.2K generated tokens/s (c=256), so a
 # whole ShareGPT pass needs more than one call; a stopped regeneration resumes from its finished shards.
 # The device lacks gguf: carry its wheel in .whl (pip download gguf). Training's held-out set is MT-Bench
@@ -45,8 +46,8 @@ train_all() {  # $1: seconds; resumes every run from its latest checkpoint
   [ "$limit" -gt 90 ] || { echo "no time left to train ($limit s)"; return; }
   common="target.path=$W/smollm2.gguf target.cache_dir=$W/cache data=jsonl data.path=$W/regen
     data.max_length=2048 data.pack=true data.eval_size=64 train=gpu train.micro_batch_size=8 train.grad_accum=1
-    train.lr=5e-4 train.warmup_steps=200 train.max_steps=$STEPS train.log_every=25 train.save_every=250
-    train.keep_checkpoints=40 train.eval_every=250 train.report_to=none train.async_checkpoint=true
+    train.lr=5e-4 train.warmup_steps=200 train.max_steps=$STEPS train.log_every=25 train.save_every=${SAVE_EVERY:-250}
+    train.keep_checkpoints=40 train.eval_every=${EVAL_EVERY:-250} train.report_to=none train.async_checkpoint=true
     data.eval_path=$W/regen_mtbench data.eval_size=80"
   for run in $RUNS; do
     name=${run%%:*} overrides=${run#*:}
