@@ -15,8 +15,13 @@ format (ids and other fields kept), each written atomically with a sidecar, and 
 Resume: shard k holds input records [k * shard_size, (k + 1) * shard_size); a rerun verifies every
 shard, reports and regenerates a corrupted one, skips the conversations of the intact ones, and does
 nothing when generation.json says complete and every shard is intact. A rerun with settings that
-change the output (``IDENTITY_KEYS``) is refused; ``concurrency``, ``device``, ``drafter`` and
-``num_workers`` may change.
+change the output (``IDENTITY_KEYS``) is refused; ``concurrency``, ``device``, ``drafter``,
+``num_workers`` and ``prefill_wait`` may change.
+
+Host time: at high concurrency a request or two finish per step, and each step would run an eager
+prefill forward for the one or two prompts that replace them (launch-bound: about as costly as one of
+many prompts). ``prefill_wait`` (steps) lets those prompts gather into one prefill forward while the
+other rows decode (``torchspec/runtime/scheduler.py``); greedy outputs do not depend on it.
 
 Several GPUs: ``num_workers=N`` starts N worker processes (worker w on ``cuda:w``; on the CPU, N
 processes), deals the shards round-robin (worker w regenerates shard k iff k % N == w), and marks the
@@ -90,11 +95,12 @@ class RegenerateConfig:
     page_size: int = 16
     cache_dir: str = "~/.cache/torchspec"
     num_workers: int = 1  # worker processes, one per GPU (cuda:0..N-1); shards dealt round-robin
+    prefill_wait: int = 8  # steps a new turn's prompt may wait to share a prefill forward (0 = at once)
 
 
 def check_config(cfg: RegenerateConfig) -> SamplingParams:
     for key, low in (("shard_size", 1), ("concurrency", 1), ("max_new_tokens", 1), ("max_context", 2),
-                     ("page_size", 1), ("max_conversations", 1), ("num_workers", 1)):
+                     ("page_size", 1), ("max_conversations", 1), ("num_workers", 1), ("prefill_wait", 0)):
         check_at_least(key, getattr(cfg, key), low)
     if cfg.format not in ("auto", "messages", "sharegpt"):
         raise ValueError(f"format={cfg.format!r} is not one of ['auto', 'messages', 'sharegpt'].")
@@ -361,7 +367,7 @@ def regenerate_shards(cfg: RegenerateConfig, engine, tokenizer, sampling: Sampli
     from torchspec.runtime.drafting import SpecConfig
 
     engine.configure(spec=SpecConfig() if cfg.drafter is not None else None, seed=cfg.seed,
-                     concurrency=cfg.concurrency)
+                     concurrency=cfg.concurrency, prefill_wait=cfg.prefill_wait)
     book, stats, counted = ShardBook(out, cfg.shard_size, cfg.format), SkipStats(), Counter()
     started = time.perf_counter()
 

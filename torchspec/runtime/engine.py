@@ -11,7 +11,10 @@ cached prefix, ``prefix_cache.py``), run ONE prefill forward (the next chunks of
 prefilled, at most ``prefill_tokens`` padded tokens: a long prompt never stalls the running rows for
 its whole prefill), then ONE decode round over the rows past their prefill (a speculation round, or a
 plain decode step), and return the results that finished. The host reads back only what a step
-committed (a few ints per row) once per round; all per-round tensors are static in shape.
+committed (a few ints per row) once per round, and once per prefill forward (its first tokens); all
+per-round tensors are static in shape. What the host sends (chunk tokens, lengths, block-table
+entries, per-row settings) goes as one packed asynchronous copy per forward (``scheduler.host_to_device``),
+never a sync.
 
 The rows of a round may carry different sampling settings: a round whose rows are all greedy runs
 the greedy round (argmax verification, dynamic tree); any sampled row makes it a mixed round with
@@ -42,7 +45,7 @@ from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator, PagedKVCache
 from torchspec.runtime.prefix_cache import TARGET_ONLY, WITH_DRAFTER, PrefixCache
 from torchspec.runtime.recurrent_state import RecurrentState
 from torchspec.runtime.sampling import RowSampling, SamplingParams
-from torchspec.runtime.scheduler import GenerationResult, Scheduler
+from torchspec.runtime.scheduler import GenerationResult, Scheduler, host_to_device
 from torchspec.runtime.steps import Caches, plain_step, prefill, speculate
 from torchspec.targets import TargetDecoder
 
@@ -53,15 +56,18 @@ class SpeculativeEngine:
     def __init__(self, decoder: TargetDecoder, runner: DrafterRunner | None = None, tokenizer=None, *,
                  max_batch: int = 8, max_context: int = 2048, page_size: int = 16, num_pages: int | None = None,
                  cuda_graphs: bool | None = None, prefill_tokens: int = 16384, fuse: bool = True,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, prefill_wait: int = 0):
         """``fuse``: serve with `TargetDecoder.fuse_for_serving` and `DrafterRunner.fuse_for_serving`
         (one GEMM for q|k|v and for gate|up, elementwise chains compiled to one kernel each on CUDA);
         it changes the decoder and the drafter in place.
         ``prefill_tokens``: padded tokens per prefill forward (longer prompts are prefilled in chunks).
-        ``prefix_cache``: share full prompt pages between requests (always off for hybrid targets)."""
-        if max_batch < 1 or max_context < 2 or page_size < 1 or prefill_tokens < 1:
+        ``prefix_cache``: share full prompt pages between requests (always off for hybrid targets).
+        ``prefill_wait``: steps a prompt admitted while others decode may wait to share a prefill
+        forward with later ones (``scheduler.py``; 0 = prefill at once)."""
+        if max_batch < 1 or max_context < 2 or page_size < 1 or prefill_tokens < 1 or prefill_wait < 0:
             raise ValueError(f"SpeculativeEngine: max_batch={max_batch} >= 1, max_context={max_context} >= 2, "
-                             f"page_size={page_size} >= 1 and prefill_tokens={prefill_tokens} >= 1 are required.")
+                             f"page_size={page_size} >= 1, prefill_tokens={prefill_tokens} >= 1 and "
+                             f"prefill_wait={prefill_wait} >= 0 are required.")
         if fuse:
             decoder.fuse_for_serving()
             if runner is not None:
@@ -80,7 +86,8 @@ class SpeculativeEngine:
         self.allocator = PageAllocator(num_pages, self.prefix_cache.evict if self.prefix_cache else None)
         self.block_table = torch.full((max_batch, self.pages_per_row), TRASH_PAGE, dtype=torch.long, device=dev)
         self.scheduler = Scheduler(max_batch, page_size, self.block_table, self.allocator, self.prefix_cache,
-                                   prefill_tokens)
+                                   prefill_tokens, prefill_wait)
+        self.slot_ids = torch.arange(max_batch, device=dev)  # the active rows of a graphed round
         self.root = torch.zeros(max_batch, dtype=torch.long, device=dev)
         if runner is not None:
             self.normed = torch.zeros(max_batch, runner.hidden_size, dtype=runner.dtype, device=dev)
@@ -96,20 +103,27 @@ class SpeculativeEngine:
 
     # --- request API ------------------------------------------------------------------------------
 
-    def configure(self, *, spec: SpecConfig | None = None, seed: int = 0, concurrency: int | None = None) -> None:
+    def configure(self, *, spec: SpecConfig | None = None, seed: int = 0, concurrency: int | None = None,
+                  prefill_wait: int | None = None) -> None:
         """What the following steps do: ``spec`` (None = plain decoding), the RNG seed of sampled
-        draws, at most ``concurrency`` (default ``max_batch``) requests running at once. Only between
-        requests: refused while any is in flight."""
+        draws, at most ``concurrency`` (default ``max_batch``) requests running at once, and
+        ``prefill_wait`` (None = unchanged; see ``__init__``). Only between requests: refused while
+        any is in flight."""
         if self.scheduler.has_work:
             raise ValueError("configure: requests are in flight; finish or cancel them first.")
         concurrency = concurrency or self.max_batch
         if not 1 <= concurrency <= self.max_batch:
             raise ValueError(f"concurrency={concurrency} must lie in [1, max_batch={self.max_batch}].")
+        if prefill_wait is not None:
+            if prefill_wait < 0:
+                raise ValueError(f"prefill_wait={prefill_wait} must be >= 0 (0 = prefill at once).")
+            self.scheduler.prefill_wait = prefill_wait
         if spec is not None:
             if self.runner is None:
                 raise ValueError("speculation needs a drafter: build the SpeculativeEngine with one, or pass spec=None.")
             spec.validate()
         self.spec = spec
+        self._per_round_of = {greedy: self._kv_per_round(spec, greedy) for greedy in (True, False)}
         self.scheduler.concurrency = concurrency
         # pages written by plain decoding hold no drafter entries: they are cached apart
         self.scheduler.cache_root = WITH_DRAFTER if spec is not None else TARGET_ONLY
@@ -149,7 +163,8 @@ class SpeculativeEngine:
         plan = sch.plan_prefill()
         if plan:
             self._prefill(plan)
-        rows = [i for i, s in enumerate(sch.slots) if s is not None and not s.prefilling and not s.finished]
+        rows = [i for i, s in enumerate(sch.slots)  # decoding: past the prompt, not finished (one pass, no properties)
+                if s is not None and s.ctx >= len(s.request.prompt) and not s.request.result.finish_reason]
         while rows:  # rows whose next round would not fit end now; the round's kind follows the rest
             greedy = all(sch.slots[i].request.sampling.greedy for i in rows)
             left = sch.finish_out_of_context(rows, self._per_round(greedy), self.max_context)
@@ -208,39 +223,50 @@ class SpeculativeEngine:
 
     # --- steps ------------------------------------------------------------------------------------
 
-    def _per_round(self, greedy: bool) -> int:
+    @staticmethod
+    def _kv_per_round(spec: SpecConfig | None, greedy: bool) -> int:
         """KV positions a round may write beyond a row's committed prefix."""
-        if self.spec is None:
+        if spec is None:
             return 1
         params = GREEDY if greedy else SamplingParams(temperature=1.0)
-        spec = self.spec
         return max(1 + spec.num_drafted(params), spec.draft_slots(params), spec.depth + 1)
 
-    def _sampling(self, rows: list[int], active: list[int], greedy: bool) -> SamplingParams | RowSampling:
+    def _per_round(self, greedy: bool) -> int:
+        return self._per_round_of[greedy]
+
+    def _sampling(self, rows: list[int], active, greedy: bool) -> SamplingParams | RowSampling:
+        """The round's settings: ``RowSampling`` over ``active`` (``rows`` keep theirs, the others are
+        greedy), built on the host and sent by asynchronous copies (no sync)."""
         if greedy:
             return GREEDY
         slots, chosen = self.scheduler.slots, set(rows)
-        return RowSampling.of([slots[i].request.sampling if i in chosen else GREEDY for i in active], self.device)
+        host = RowSampling.of([slots[i].request.sampling if i in chosen else GREEDY for i in active], "cpu")
+        t, p, k = (host_to_device(x, x.dtype, self.device) for x in (host.temperature, host.top_p, host.top_k))
+        return RowSampling(t, p, k, greedy=host.greedy)
 
     def _prefill(self, plan: list[tuple[int, int]]) -> None:
         """One prefill forward: the next chunk of each planned slot's prompt [(slot, length)]."""
         t0 = time.perf_counter()
         sch, slots = self.scheduler, self.scheduler.slots
-        ids = torch.zeros(len(plan), max(n for _, n in plan), dtype=torch.long)
-        follow = []
-        for row, (i, n) in enumerate(plan):
-            s, prompt = slots[i], slots[i].request.prompt
-            ids[row, :n] = torch.tensor(prompt[s.ctx:s.ctx + n])
-            follow.append(prompt[s.ctx + n] if s.ctx + n < len(prompt) else -1)
-            sch.ensure_pages(i, s.ctx + n)
+        b, width = len(plan), max(n for _, n in plan)
         rows = [i for i, _ in plan]
+        lengths = [n for _, n in plan]
+        ctx = [slots[i].ctx for i in rows]
+        follow, ids = [], []
+        for i, n in plan:
+            s, prompt = slots[i], slots[i].request.prompt
+            follow.append(prompt[s.ctx + n] if s.ctx + n < len(prompt) else -1)
+            ids += prompt[s.ctx:s.ctx + n]
+            ids += [0] * (width - n)
+            sch.ensure_pages(i, s.ctx + n)
+        sch.flush_table()
+        packed = host_to_device(rows + lengths + ctx + follow + ids, torch.long, self.device)  # one copy
+        index, lengths_d, ctx_d, follow_d = (packed[k * b:(k + 1) * b] for k in range(4))
         greedy = all(slots[i].request.sampling.greedy for i in rows)
-        index = torch.tensor(rows, dtype=torch.long).to(self.device)
-        as_dev = lambda x: torch.tensor(x, dtype=torch.long).to(self.device)  # noqa: E731
         out = prefill(self.decoder, self.runner if self.spec is not None else None, self.caches,
-                      self.block_table[index], ids.to(self.device), as_dev([n for _, n in plan]),
-                      self._sampling(rows, rows, greedy), self.generator, slots=index,
-                      ctx=as_dev([slots[i].ctx for i in rows]), next_tokens=as_dev(follow))
+                      self.block_table[index], packed[4 * b:].view(b, width), lengths_d,
+                      self._sampling(rows, rows, greedy), self.generator, slots=index, ctx=ctx_d,
+                      next_tokens=follow_d)
         self._store(index, out)
         first = out.root.tolist()
         dt = time.perf_counter() - t0
@@ -261,14 +287,27 @@ class SpeculativeEngine:
         runs, the others as invalid rows, so one static shape serves all rounds."""
         t0 = time.perf_counter()
         self.decode_rounds += 1
-        slots, spec = self.scheduler.slots, self.spec
-        active = list(range(self.scheduler.concurrency)) if self.graphs is not None else rows
-        chosen = set(rows)
+        sch, spec = self.scheduler, self.spec
+        slots = sch.slots
+        per_round, page = self._per_round(greedy), self.page_size
         for i in rows:
-            self.scheduler.ensure_pages(i, slots[i].ctx + self._per_round(greedy))
-        valid = torch.tensor([i in chosen for i in active], dtype=torch.bool).to(self.device)
-        index = torch.tensor(active, dtype=torch.long).to(self.device)
-        ctx = torch.tensor([slots[i].ctx if i in chosen else 0 for i in active], dtype=torch.long).to(self.device)
+            s = slots[i]
+            if s.ctx + per_round > len(s.pages) * page:  # crosses into a page it does not have yet
+                sch.ensure_pages(i, s.ctx + per_round)
+        sch.flush_table()
+        if self.graphs is not None:  # every slot runs (one static shape); row j is slot j
+            active, chosen = range(sch.concurrency), set(rows)
+            index = self.slot_ids[: sch.concurrency]
+            ctx = host_to_device([slots[i].ctx if i in chosen else -1 for i in active], torch.long, self.device)
+            valid = ctx >= 0
+            ctx = ctx.clamp(min=0)
+            position = rows  # of row i in the round's outputs
+        else:
+            active = rows
+            packed = host_to_device(rows + [slots[i].ctx for i in rows], torch.long, self.device)
+            index, ctx = packed[: len(rows)], packed[len(rows):]
+            valid = torch.ones(len(rows), dtype=torch.bool, device=self.device)
+            position = range(len(rows))
         bt = self.block_table[index]
         params = self._sampling(rows, active, greedy)
         generator = self.generator if self.graphs is None else None
@@ -285,15 +324,15 @@ class SpeculativeEngine:
         key = ("plain" if spec is None else "spec", len(active), spec, "greedy" if greedy else "mixed")
         out = step(**args) if self.graphs is None else self._run_graph(key, step, args)
         self._store(index, out)
-        tokens, counts = out.tokens.tolist(), out.count.tolist()  # the round's one host sync
+        committed = torch.cat([out.count[:, None], out.tokens], 1).tolist()  # the round's one host sync
         dt = time.perf_counter() - t0
-        for j, i in enumerate(active):
-            if i not in chosen:
-                continue
-            slots[i].ctx += counts[j]
-            slots[i].request.result.decode_s += dt
-            kept = self.scheduler.commit(i, tokens[j][: counts[j]])  # a stop or the limit may cut the round
-            slots[i].request.result.accept_lengths.append(kept)
+        for i, j in zip(rows, position):
+            count, *tokens = committed[j]
+            s = slots[i]
+            s.ctx += count
+            result = s.request.result
+            result.decode_s += dt
+            result.accept_lengths.append(sch.commit(i, tokens[:count]))  # a stop or the limit may cut the round
 
     def _run_graph(self, key, step, args: dict):
         """``graphs.run``; a hybrid target's graph is captured on idle inputs (every row invalid), so
