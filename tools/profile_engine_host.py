@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     print(f"{'mode':<6} {'c':>4} {'wall ms':>9} {'forward':>9} {'host ms':>9} {'submit':>7} {'tok/step':>9} "
           f"{'tok/s':>9} {'syncs':>6}  top host function (own ms/step)", flush=True)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    out = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "args": dict(vars(args)), "rows": rows}
     with tempfile.TemporaryDirectory() as workdir:
         for c in levels:
             engine = build_engine(args.device, args.dtype, c, args.max_context, args.num_layers, workdir,
@@ -293,21 +296,24 @@ def main(argv: list[str] | None = None) -> dict:
             for mode in args.modes.split(","):
                 row = run_config(engine, mode, c, args)
                 rows.append(row)
+                if args.out:  # after every row: a run cut short keeps what it measured
+                    write_json(pathlib.Path(args.out), out)
                 syncs = "-" if row["syncs_per_step"] is None else f"{row['syncs_per_step']:.1f}"
                 top = row["top"][0] if row["top"] else {"function": "", "own_ms": 0.0}
                 print(f"{mode:<6} {c:>4} {row['wall_ms']:9.2f} {row['forward_ms']:9.2f} {row['host_ms']:9.2f} "
                       f"{row['submit_ms']:7.2f} {row['tokens_per_step']:9.1f} {row['tokens_per_s']:9.0f} {syncs:>6}  "
                       f"{top['function']} ({top['own_ms']:.2f})", flush=True)
             del engine
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    out = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "args": {k: v for k, v in vars(args).items()}, "rows": rows}
     if args.out:
-        path = pathlib.Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {args.out}")
     return out
+
+
+def write_json(path: pathlib.Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
 
 
 if __name__ == "__main__":
