@@ -89,9 +89,6 @@ def main() -> None:
     p.add_argument("--num-nodes", type=int, default=16)
     p.add_argument("--head-rank", type=int, default=128, help="drafter scorer rank; 0 = full head")
     p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--select-chunk", default=None,
-                   help="comma list of the efficient head's candidate-selection chunk (0 = one topk over V); "
-                        "the draft phases run once per value, named phase@chunk (default: the head's own)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     batches = [int(x) for x in args.batch.split(",")]
@@ -144,22 +141,12 @@ def main() -> None:
                 f"{shape}.head": lambda frontier=frontier, k=k: _top(runner, frontier, k, params),
             })
         plain_ms = None
-        head = runner.model.lm_head
-        chunks = [None] if args.select_chunk is None else [int(x) for x in args.select_chunk.split(",")]
-        default_chunk = getattr(head, "select_chunk", None)
         for name, fn in phases.items():
-            drafts = name.split(".")[-1] in ("round", "draft", "head")
-            for chunk in chunks if drafts else [None]:
-                if chunk is not None:
-                    head.select_chunk = chunk
-                label = name if chunk is None else f"{name}@{chunk}"
-                ms, (kernels, top) = graph_ms(fn), kernel_profile(fn)
-                head.select_chunk = default_chunk
-                plain_ms = plain_ms or ms
-                rows.append({"batch": b, "phase": label, "select_chunk": chunk, "ms": ms, "plain_steps": ms / plain_ms,
-                             "kernels": kernels, "top_kernels": top})
-                print(f"b={b:<3} {label:<22} {ms:8.3f} ms  {ms / plain_ms:5.2f} plain steps  {kernels:6d} kernels",
-                      flush=True)
+            ms, (kernels, top) = graph_ms(fn), kernel_profile(fn)
+            plain_ms = plain_ms or ms
+            rows.append({"batch": b, "phase": name, "ms": ms, "plain_steps": ms / plain_ms, "kernels": kernels,
+                         "top_kernels": top})
+            print(f"b={b:<3} {name:<16} {ms:8.3f} ms  {ms / plain_ms:5.2f} plain steps  {kernels:6d} kernels", flush=True)
     if args.json:
         out = {"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}
         path = pathlib.Path(args.json)

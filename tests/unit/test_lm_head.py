@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchspec.models.lm_head import EfficientLMHead, chunked_topk, randomized_svd, select_chunk
+from torchspec.models.lm_head import EfficientLMHead, randomized_svd
 from torchspec.train.loss import TeacherHead, fused_ttt_head_loss
 
 
@@ -42,48 +42,6 @@ def test_candidate_logits_are_the_full_logits_at_those_ids():
     sparse = head.draft_logits_sparse(h)
     assert torch.isinf(sparse).sum() == 3 * 5 * (300 - 17)
     torch.testing.assert_close(sparse.gather(-1, ids), logits)
-
-
-@pytest.mark.parametrize("shape,k,chunk", [((1, 4096), 128, 512), ((3, 2, 6000), 17, 300), ((5, 64), 8, 8),
-                                           ((2, 1000), 7, 0)])
-def test_chunked_topk_is_the_topk_set(shape, k, chunk):
-    g = torch.Generator().manual_seed(sum(shape) + k)
-    scores = torch.randn(shape, generator=g)  # distinct values: the set is unique
-    scores[..., : shape[-1] // 3] -= 3.0  # winners crowd some chunks and are absent from others
-    ids = chunked_topk(scores, k, chunk)
-    assert ids.shape == (*shape[:-1], k)
-    want = scores.topk(k, dim=-1).indices.sort(-1).values
-    assert torch.equal(ids.sort(-1).values, want)
-
-
-def test_chunked_topk_finds_winners_all_in_one_chunk():
-    scores = torch.zeros(2, 2048)
-    scores[0, 1024:1040] = torch.arange(16.0) + 1  # all 16 in chunk 4 (of 256)
-    scores[1, :16] = torch.arange(16.0) + 1  # all in chunk 0
-    ids = chunked_topk(scores, 16, 256).sort(-1).values
-    assert torch.equal(ids[0], torch.arange(1024, 1040)) and torch.equal(ids[1], torch.arange(16))
-
-
-def test_select_chunk_divides_the_vocabulary():
-    for vocab in (49152, 151936, 248320, 128256, 32000):
-        c = select_chunk(vocab, 128)
-        assert c >= 128 and vocab % c == 0 and 2048 <= c <= 8192, (vocab, c)
-    assert select_chunk(300, 17) == 0  # too small to split: one plain topk
-    assert select_chunk(2 * 16411, 128) == 0  # no divisor in [2048, 8192] (16411 is prime): one plain topk
-    assert select_chunk(49152, 128, target=0) == 0
-
-
-def test_candidates_are_the_same_set_with_chunked_selection():
-    torch.manual_seed(1)
-    head = EfficientLMHead(32, 6144, rank=6, topk=40)
-    h = torch.randn(4, 32)
-    head.select_chunk = 0
-    ids0, logits0 = head.candidates(h)
-    head.select_chunk = 512
-    ids1, logits1 = head.candidates(h)
-    order0, order1 = ids0.argsort(-1), ids1.argsort(-1)
-    assert torch.equal(ids0.gather(-1, order0), ids1.gather(-1, order1))
-    torch.testing.assert_close(logits0.gather(-1, order0), logits1.gather(-1, order1))
 
 
 @pytest.mark.parametrize("method", ["exact", "randomized"])

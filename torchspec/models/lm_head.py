@@ -8,13 +8,6 @@ Shapes: H hidden size, V target vocabulary (e.g. 248,320), r rank (default 128),
     inference        ids = topk_k(s(h));  logits = W[ids] @ h  (gather k rows, batched matvec)
                      sparse draft logits: logits at ids, -inf at every other token
 
-**Candidate selection** (``chunked_topk``): the top-k of the V scores in two single-block stages, a
-top-k inside each of C equal chunks of the vocabulary, then a top-k over the C*k winners (every
-global top-k entry is among its chunk's top-k, so the set is exact up to ties). On CUDA one
-``topk`` over a whole row of a small batch is a multi-block radix select of ~10 kernels; the two
-stages are two single-block kernels and a few index ops, which matters when a draft depth is
-launch-bound (a 135M target's round is ~900 kernels).
-
 Per drafted token the dense head reads V*H weights (2.5 GB in bf16 at the flagship shape); the
 efficient head reads r*(V+H) + k*H (64 MB + 1.3 MB), 40x less, and the k-row gather costs what
 one matvec of k rows costs.
@@ -75,30 +68,6 @@ import torch.nn.functional as F
 from torch import nn
 
 _EXACT_SVD_MAX_COST = 6e10  # V * H^2 up to which "auto" uses the exact SVD (a few s on CPU)
-SELECT_CHUNK = 4096  # target chunk length of ``chunked_topk`` (0: one plain topk)
-
-
-def select_chunk(vocab: int, k: int, target: int = SELECT_CHUNK) -> int:
-    """The chunk length ``chunked_topk`` uses for a vocabulary of ``vocab``: the divisor of ``vocab``
-    in [max(k, target / 2), 2 * target] nearest ``target``, or 0 (one plain topk) when there is none
-    or the vocabulary is under four chunks long."""
-    if target <= 0 or vocab < 4 * max(k, target // 2):
-        return 0
-    divisors = [c for c in range(max(k, target // 2), 2 * target + 1) if vocab % c == 0]
-    return min(divisors, key=lambda c: abs(c - target), default=0)
-
-
-def chunked_topk(scores: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
-    """Indices [..., k] (unordered) of the k largest of ``scores`` [..., V]: a top-k inside each chunk
-    of ``chunk`` entries (``chunk`` divides V and is >= k), then a top-k over the winners.
-    ``chunk=0``: one ``topk`` over V. Equal to ``scores.topk(k).indices`` as a set, up to ties."""
-    if chunk <= 0:
-        return scores.topk(k, dim=-1, sorted=False).indices
-    v = scores.shape[-1]
-    assert v % chunk == 0 and chunk >= k, (v, chunk, k)
-    vals, idx = scores.unflatten(-1, (v // chunk, chunk)).topk(k, dim=-1, sorted=False)  # [..., C, k]
-    pos = vals.flatten(-2).topk(k, dim=-1, sorted=False).indices  # [..., k] into the C*k winners
-    return torch.div(pos, k, rounding_mode="floor") * chunk + idx.flatten(-2).gather(-1, pos)
 
 
 class EfficientLMHead(nn.Module):
@@ -115,7 +84,6 @@ class EfficientLMHead(nn.Module):
         if not 1 <= topk <= vocab_size:
             raise ValueError(f"EfficientLMHead: topk={topk} must lie in [1, vocab_size={vocab_size}].")
         self.hidden_size, self.vocab_size, self.rank, self.topk = hidden_size, vocab_size, rank, topk
-        self.select_chunk = select_chunk(vocab_size, topk)  # serving's candidate selection; 0 = one topk
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, **factory))
         self.down = nn.Parameter(torch.empty(rank, hidden_size, **factory))
@@ -146,8 +114,7 @@ class EfficientLMHead(nn.Module):
     def candidates(self, h: torch.Tensor, topk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Inference path: [..., H] -> (ids [..., k] unordered, exact logits W[ids] @ h [..., k])."""
         k = self.topk if topk is None else topk
-        chunk = self.select_chunk if k <= self.select_chunk else 0
-        ids = chunked_topk(self.lowrank_scores(h), k, chunk)  # [..., k]
+        ids = self.lowrank_scores(h).topk(k, dim=-1, sorted=False).indices  # [..., k]
         rows = F.embedding(ids, self.weight)  # [..., k, H]: gather k rows of W per token
         logits = torch.matmul(rows, h.unsqueeze(-1)).squeeze(-1)  # [..., k]
         return ids, logits
