@@ -218,15 +218,17 @@ def plot_quality(metrics: dict[str, Path], quality: Path, out_acceptance: Path, 
     solid; served greedy chain on MT-Bench / HumanEval at the exported step, markers), and served speedup
     against concurrency for each drafter, prompt set and mode (tools/bench_quality.py rows)."""
     data = json.loads(quality.read_text())
-    colors = {"eagle3": "tab:blue", "eagle4": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    colors = {"eagle3": "tab:blue", "eagle4": "tab:orange", "eagle4_27m": "tab:red"}
+    fig, ax = plt.subplots(figsize=(10.5, 4.4))
     for name, src in metrics.items():
         rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
         tokens = {r["step"]: r["train/tokens"] for r in rows if "train/tokens" in r}
         tokens[0] = 0
-        evals = [(tokens[r["step"]] / 1e6, r["eval/acceptance_length"]) for r in rows
-                 if "eval/acceptance_length" in r and r["step"] in tokens]
-        ax.plot(*zip(*evals), "-o", ms=3, color=colors[name], label=f"{name}: trainer held-out (K=7)")
+        # runs with the MT-Bench held-out set (data.eval_path) log the served-comparable chain walk
+        key, held_out = (("eval/chain_acceptance", "MT-Bench chain walk") if any("eval/chain_acceptance" in r for r in rows)
+                         else ("eval/acceptance_length", "ShareGPT split"))
+        evals = [(tokens[r["step"]] / 1e6, r[key]) for r in rows if key in r and r["step"] in tokens]
+        ax.plot(*zip(*evals), "-o", ms=3, color=colors[name], label=f"{name}: trainer held-out, {held_out} (K=7)")
     marks = {"mtbench": "s", "humaneval": "^"}
     for r in data["rows"]:
         if r["mode"] == "chain" and r["concurrency"] == 1:
@@ -236,7 +238,7 @@ def plot_quality(metrics: dict[str, Path], quality: Path, out_acceptance: Path, 
     ax.set_xlabel("training tokens (millions, real)")
     ax.set_ylabel("acceptance (tokens per round)")
     ax.set_title("SmolLM2-135M drafters on regenerated ShareGPT (H200, bf16)", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out_acceptance, dpi=110)
     plt.close(fig)
@@ -283,7 +285,7 @@ if __name__ == "__main__":
               ("SmolLM2 now", bench / "round_profile_smollm2_h200.json")]
     if all(p.exists() for _, p in rounds):
         plot_round(rounds, img / "round_cost.png")
-    quality = {name: bench / f"quality_smollm2_{name}_metrics.jsonl" for name in ("eagle3", "eagle4")}
+    quality = {name: bench / f"quality_smollm2_{name}_metrics.jsonl" for name in ("eagle3", "eagle4", "eagle4_27m")}
     if (bench / "quality_smollm2.json").exists() and all(p.exists() for p in quality.values()):
         plot_quality(quality, bench / "quality_smollm2.json", img / "quality_acceptance_vs_tokens.png",
                      img / "quality_speedup_vs_concurrency.png")
