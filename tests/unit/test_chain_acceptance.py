@@ -129,7 +129,7 @@ def perfect(out, in_topk: bool | None = None):
     return forced
 
 
-def naive_walk(batch, out, proposes=lambda i, p, k: True) -> tuple[float, float]:
+def naive_walk(batch, out, proposes=lambda i, p, k: True, depth: int = K) -> tuple[float, float]:
     """Serving's rounds over every response of the rows (one document per row here): x_P is the prefill's;
     a round at t drafts steps k (predicting x_{t+k+2}) while that token is in the response and right,
     and commits 1 + that run, at most what is left of the response."""
@@ -149,7 +149,7 @@ def naive_walk(batch, out, proposes=lambda i, p, k: True) -> tuple[float, float]
             t = u - 1  # x_u = x_P from the prefill; the first round drafts from t = P - 1
             while t + 2 <= end:
                 run = 0
-                while run < K and t + run + 2 <= end and argmax[i, t + run + 1, run] == target[i, t + run + 1] \
+                while run < depth and t + run + 2 <= end and argmax[i, t + run + 1, run] == target[i, t + run + 1] \
                         and proposes(i, t + run + 1, run):
                     run += 1
                 commit = min(1 + run, end - t - 1)
@@ -187,6 +187,23 @@ def test_unroll_walks_serving_rounds_over_its_argmaxes(monkeypatch):
     assert float(plain.chain_rounds) == float(plain.chain_tokens) == 0
 
 
+def test_every_serving_depth_is_walked_over_the_first_d_steps(monkeypatch):
+    batch = tiny_batch(t_len=16)
+    result, (out,) = unroll_walked(tiny_drafter(), batch, monkeypatch, partly_right)
+    tokens, rounds = result.aux["chain_tokens_by_depth"], result.aux["chain_rounds_by_depth"]
+    assert tokens.shape == rounds.shape == (K,)
+    for d in range(1, K + 1):
+        assert (float(tokens[d - 1]), float(rounds[d - 1])) == naive_walk(batch, out, depth=d), d
+    assert (float(tokens[-1]), float(rounds[-1])) == (float(result.chain_tokens), float(result.chain_rounds))
+    assert float(tokens[0] / rounds[0]) < float(tokens[-1] / rounds[-1])  # depth matters on this pattern
+    stats = StepStats()
+    stats.add(result, tokens=1)
+    stats.all_reduce()
+    summary = stats.summary("eval")
+    assert summary[f"eval/chain_acceptance_d{K}"] == pytest.approx(summary["eval/chain_acceptance"], rel=1e-12)
+    assert summary["eval/chain_acceptance_d1"] == pytest.approx(float(tokens[0] / rounds[0]), rel=1e-12)
+
+
 def test_a_perfect_drafter_commits_k_plus_one_where_it_fits(monkeypatch):
     batch = tiny_batch()
     result, (out,) = unroll_walked(tiny_drafter(), batch, monkeypatch, perfect)
@@ -221,4 +238,4 @@ def test_step_stats_report_the_ratio_of_sums(monkeypatch):
     train = StepStats()
     train.add(unroll(model, tiny_batch(1))[0], tokens=1)
     train.all_reduce()
-    assert "train/chain_acceptance" not in train.summary("train")
+    assert not any(k.startswith("train/chain_acceptance") for k in train.summary("train"))

@@ -8,7 +8,9 @@ tokens per second over all ranks) and the same ``eval/...`` keys on the held-out
 round yields, so an untrained drafter scores ~1.0 and a perfect one ``ttt_steps + 1``.
 ``chain_acceptance``: what a greedy chain of depth K would accept per round, averaged over start
 positions: the joint leading run, with the token an efficient head would actually propose; comparable
-with served chain acceptance (``torchspec.train.ttt.chain_sums``).
+with served chain acceptance (``torchspec.train.ttt.chain_rounds``). ``eval/chain_acceptance_d{d}``: the same
+walk for a chain of serving depth d = 1..K (the unroll's first d steps), so a run trained with K = 7 reports
+what a depth-5 chain will accept (``eval/chain_acceptance`` is d = K).
 
 Crash safety: every record is fsynced as it is appended, so a checkpoint written after it can
 count on it; a resume drops the records logged after its checkpoint (and a line torn by a crash

@@ -73,6 +73,9 @@ class StepStats:
         out = {f"{prefix}/{k}": v for k, v in summarize(self.kl_sum, self.correct, self.valid).items()}
         if float(self.chain_rounds) > 0:  # walked (held-out evaluation)
             out[f"{prefix}/chain_acceptance"] = float(self.chain_tokens / self.chain_rounds)
+        if "chain_rounds_by_depth" in self.extra:  # the same walk for a chain of serving depth d = 1..K
+            tokens, rounds = self.extra["chain_tokens_by_depth"], self.extra["chain_rounds_by_depth"].clamp(min=1)
+            out.update({f"{prefix}/chain_acceptance_d{d + 1}": float(v) for d, v in enumerate(tokens / rounds)})
         out[f"{prefix}/loss"] = float(self.loss) / max(self.steps, 1)
         if "moe_expert_load" in self.extra:  # [K, E] token-slot counts summed since the last log
             load = self.extra["moe_expert_load"]

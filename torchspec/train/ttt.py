@@ -232,13 +232,17 @@ def ttt_unroll(
     loss = out.loss
     target_argmax = out.target_argmax[:, None]  # [N, 1]
     correct = (drafter.draft_to_target_ids(out.argmax) == target_argmax) & valid  # [N, K]
+    aux: dict[str, torch.Tensor] = {}
     if walk_chains:  # serving proposes the dense argmax only when it is among an efficient head's top-k
-        served = correct & out.full_in_topk if efficient else correct  # [N, K]
-        chain_tokens, chain_count = chain_rounds(served.view(b, t, num_steps), valid.view(b, t, num_steps),
-                                                 loss_mask, document_ids)
+        served = (correct & out.full_in_topk if efficient else correct).view(b, t, num_steps)
+        # a chain of serving depth d is the walk over the unroll's first d steps (they do not depend on K)
+        walks = [chain_rounds(served[..., :d], valid.view(b, t, num_steps)[..., :d], loss_mask, document_ids)
+                 for d in range(1, num_steps + 1)]
+        chain_tokens, chain_count = walks[-1]
+        aux["chain_tokens_by_depth"] = torch.stack([w[0] for w in walks])  # [K]
+        aux["chain_rounds_by_depth"] = torch.stack([w[1] for w in walks])
     else:
         chain_tokens = chain_count = torch.zeros((), dtype=torch.float64, device=valid.device)
-    aux: dict[str, torch.Tensor] = {}
     if efficient:
         aux["lowrank_kl_sum"] = torch.where(valid, out.scorer_kl, 0).sum(0).double().detach()
         aux["lowrank_full_in_topk"] = (out.full_in_topk & valid).sum(0).double()
