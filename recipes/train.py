@@ -229,7 +229,8 @@ def train(raw: DictConfig) -> None:
     held_out_captures: dict = {}  # the frozen target's outputs on held_out, reused by later evals
     opts = TTTOptions(t.ttt_steps, t.step_decay, cfg.drafter.moe_aux_loss_coef if cfg.drafter.moe else 0.0,
                       cfg.drafter.lowrank_coef, cfg.drafter.lowrank_teacher,
-                      HeadLossConfig(t.loss_chunk_gib, t.loss_backend))
+                      HeadLossConfig(t.loss_chunk_gib, t.loss_backend, cfg.drafter.head_loss,
+                                     cfg.drafter.head_loss_target_topk))
 
     step = 0
     if resume_from is not None:

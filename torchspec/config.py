@@ -38,6 +38,11 @@ class DrafterTrainingConfig:
     attn_backend: str = "auto"
     lowrank_coef: float = 1.0  # weight of the efficient head scorer's distillation loss (needs lm_head_rank)
     lowrank_teacher: str = "target"  # target (its distribution) | full (the drafter's full head)
+    # The full head's loss (needs lm_head_rank): full (KL over all of V) | candidates (KL over the scorer's
+    # top-k joined to the target's top-m, renormalised: the only tokens the drafter can propose; under
+    # evaluation, torchspec/train/loss_candidates.py)
+    head_loss: str = "full"
+    head_loss_target_topk: int = 128  # m of head_loss=candidates
     moe_aux_loss_coef: float = 0.01  # MoE load-balancing loss weight (needs moe)
     init_lm_head_from_target: bool = True
     freeze_lm_head: bool = False
@@ -46,7 +51,8 @@ class DrafterTrainingConfig:
 # Training keys every architecture reads, and those that tune one architecture feature (used by the
 # architectures that declare that flag).
 _ALWAYS_USED = {"arch", "attn_backend", "init_lm_head_from_target", "freeze_lm_head"}
-_TRAINING_KEY_FEATURE = {"lowrank_coef": "lm_head_rank", "lowrank_teacher": "lm_head_rank", "moe_aux_loss_coef": "moe"}
+_TRAINING_KEY_FEATURE = {"lowrank_coef": "lm_head_rank", "lowrank_teacher": "lm_head_rank", "head_loss": "lm_head_rank",
+                         "head_loss_target_topk": "lm_head_rank", "moe_aux_loss_coef": "moe"}
 
 # drafter.*: the training keys above plus every architecture flag, DERIVED from the model configs'
 # ARCH_FIELDS (torchspec/models/eagle4.py, eagle3.py: the one place a flag, its default and meaning
@@ -195,6 +201,7 @@ def validate_config(cfg: Config) -> None:
     _choice(d.lowrank_teacher, "drafter.lowrank_teacher", ("target", "full"))
     if d.lowrank_coef < 0:
         raise ValueError(f"drafter.lowrank_coef={d.lowrank_coef} must be >= 0.")
+    validate_head_loss(d, t)
     if d.draft_vocab_size is not None and d.draft_vocab_size < 1:
         raise ValueError(f"drafter.draft_vocab_size={d.draft_vocab_size} must be >= 1 or null.")
     if t.ttt_steps < 1:
@@ -244,6 +251,26 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"parallel.deepspeed is set but parallel.engine={p.engine!r}; use parallel.engine=deepspeed.")
     if p.engine == "deepspeed" and t.async_checkpoint:
         raise ValueError("train.async_checkpoint=true needs parallel.engine=none or fsdp2 (DeepSpeed saves synchronously).")
+
+
+def validate_head_loss(d: Any, t: TrainConfig) -> None:
+    """drafter.head_loss=candidates: the efficient head's scorer picks the candidates, its teacher is the
+    target (the "full" one is the full head over all of V, the cost it removes), and it runs in torch."""
+    _choice(d.head_loss, "drafter.head_loss", ("full", "candidates"))
+    if d.head_loss_target_topk < 1:
+        raise ValueError(f"drafter.head_loss_target_topk={d.head_loss_target_topk} must be >= 1 (the target's top-m "
+                         f"joined to the scorer's top-k).")
+    if d.head_loss != "candidates":
+        return
+    if not d.lm_head_rank:
+        raise ValueError(f"drafter.head_loss=candidates needs the efficient LM head (drafter.lm_head_rank > 0, got "
+                         f"{_show(d.lm_head_rank)}): set drafter.lm_head_rank=128 or drafter.head_loss=full.")
+    if d.lowrank_teacher != "target":
+        raise ValueError(f"drafter.head_loss=candidates needs drafter.lowrank_teacher=target (got {d.lowrank_teacher}): "
+                         f"the full teacher is the full head over all of V; set drafter.lowrank_teacher=target.")
+    if t.loss_backend == "triton":
+        raise ValueError("drafter.head_loss=candidates has no Triton row pass (it runs in torch); use "
+                         "train.loss_backend=auto or torch.")
 
 
 def validate_data_config(d: DataConfig) -> None:

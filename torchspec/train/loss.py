@@ -29,6 +29,11 @@ is counted in the same pass: the full-head argmax is a candidate iff fewer than 
 its score (ties count as hits).
 
 ``backend``: "triton" (CUDA) or "torch" (the reference; CPU, CI). Both compute the same function.
+
+``head_loss="candidates"`` (``drafter.head_loss``, under evaluation) trains W only at the tokens an
+efficient head can propose, the scorer's top-k joined to the target's top-m, renormalised there:
+the same loop, with ``torchspec.train.loss_candidates.candidate_rows`` in place of the dense z, its
+row pass and its GEMMs (its module docstring has the definition and the FLOP count).
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from torchspec.train import loss_rows
+from torchspec.train import loss_candidates, loss_rows
+from torchspec.train.loss_rows import addmm_f32_, mm_f32
 
 
 @dataclass
@@ -84,64 +90,51 @@ class TeacherHead:
 
 @dataclass
 class HeadLossOutput:
-    """Per-(position, step) results; rows of weight 0 hold values that must be masked out."""
+    """Per-(position, step) results; rows of weight 0 hold values that must be masked out. Under
+    ``head_loss="candidates"`` (``loss_candidates``) ``kl`` is the KL over the candidates, ``argmax``
+    the served proposal (best of the scorer's top-k by the full head) and ``full_in_topk`` all True."""
 
     loss: Tensor  # scalar: sum w * KL (+ coef * sum w * KL_scorer)
     kl: Tensor  # [N, K] fp32 forward KL(target || drafter)
     argmax: Tensor  # [N, K] drafter argmax (draft-vocabulary ids)
     target_argmax: Tensor  # [N] teacher argmax over the full vocabulary
-    scorer_kl: Tensor | None = None  # [N, K]
-    full_in_topk: Tensor | None = None  # [N, K] bool
-    target_in_topk: Tensor | None = None  # [N, K] bool
+    scorer_kl: Tensor | None = None  # [N, K] the scorer's KL(teacher || softmax(s)) over V
+    full_in_topk: Tensor | None = None  # [N, K] bool: argmax is a scorer top-k candidate
+    target_in_topk: Tensor | None = None  # [N, K] bool: target_argmax is one
 
 
-def mm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b as fp32. CUDA: bf16 operands accumulate in fp32 and are not rounded back. CPU has no
-    fp32-output bf16 GEMM: the bf16 product is rounded to bf16 and upcast, as bf16 autocast does
-    (CPUs run bf16 only where it is the faster: ``train.optim.fast_bf16``)."""
-    if a.dtype in (torch.float32, torch.float64):
-        return a @ b
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
-
-
-def addmm_f32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc (fp32) += a @ b in place: the GEMM's epilogue reads and writes acc (no temporary)."""
-    if a.dtype in (torch.float32, torch.float64):
-        acc.addmm_(a, b)
-    elif a.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:  # CPU: a bf16 product per chunk, accumulated in fp32 (chunks are few on CPU)
-        acc.add_(a @ b)
-
-
-def chunk_bytes(positions: int, vocab: int, steps: int, scorer: bool, dtype: torch.dtype) -> int:
-    """Transient bytes of one chunk: fp32 z (and s) [P*K, V], fp32 zt [P, V], dz (and ds) in dtype."""
+def chunk_bytes(positions: int, vocab: int, steps: int, scorer: bool, dtype: torch.dtype,
+                candidates: int = 0, hidden: int = 0) -> int:
+    """Transient bytes of one chunk: fp32 z (and s) [P*K, V], fp32 zt [P, V], dz (and ds) in dtype;
+    ``candidates`` > 0: the candidate loss's (``loss_candidates.candidate_bytes``, width ``hidden``)."""
+    if candidates:
+        return positions * loss_candidates.candidate_bytes(vocab, steps, candidates, hidden, dtype)
     per_row = 4 + torch.finfo(dtype).bits // 8
     return positions * vocab * (4 + steps * per_row * (2 if scorer else 1))
 
 
-def auto_chunk_positions(vocab: int, steps: int, scorer: bool, dtype: torch.dtype, budget_gib: float) -> int:
+def auto_chunk_positions(vocab: int, steps: int, scorer: bool, dtype: torch.dtype, budget_gib: float,
+                         candidates: int = 0, hidden: int = 0) -> int:
     """The most positions per chunk whose transient tensors fit ``budget_gib``."""
-    return max(1, int(budget_gib * 2**30) // chunk_bytes(1, vocab, steps, scorer, dtype))
+    return max(1, int(budget_gib * 2**30) // chunk_bytes(1, vocab, steps, scorer, dtype, candidates, hidden))
 
 
 def check_chunk_fits(positions: int, vocab: int, steps: int, scorer: bool, dtype: torch.dtype,
-                     device: torch.device) -> None:
+                     device: torch.device, candidates: int = 0, hidden: int = 0) -> None:
     """On CUDA, refuse a chunk that cannot fit the free memory, naming the largest that fits.
     Checked once per chunk shape (the first micro-batch), not on every step."""
-    key = (positions, vocab, steps, scorer, dtype, device)
+    key = (positions, vocab, steps, scorer, dtype, device, candidates, hidden)
     if device.type != "cuda" or key in _checked:
         return
     free, _ = torch.cuda.mem_get_info(device)
-    need = chunk_bytes(positions, vocab, steps, scorer, dtype)
+    one = chunk_bytes(1, vocab, steps, scorer, dtype, candidates, hidden)
+    need = positions * one
     if need > free:
-        fits = free / chunk_bytes(1, vocab, steps, scorer, dtype)
+        fits = free / one
         raise ValueError(
             f"train.loss_chunk_gib: a loss chunk of {positions} positions needs {need / 2**30:.1f} GiB but "
             f"{free / 2**30:.1f} GiB are free on {device}; the largest that fits is {int(fits)} positions "
-            f"(~{fits * chunk_bytes(1, vocab, steps, scorer, dtype) / 2**30:.1f} GiB): lower train.loss_chunk_gib.")
+            f"(~{fits * one / 2**30:.1f} GiB): lower train.loss_chunk_gib.")
     _checked.add(key)
 
 
@@ -166,11 +159,12 @@ def resolve_backend(backend: str, device: torch.device, steps: int) -> str:
 class FusedTTTHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, states, weight, down, up, t_hidden, t_weight, t_bias, token_weights, chunk,
-                compute_dtype, topk, scorer_coef, scorer_full, backend, grad_on):
+                compute_dtype, topk, target_topk, scorer_coef, scorer_full, backend, grad_on):
         """states [N, K, H], weight [V', H], down [r, H] / up [V', r] or None, t_hidden [N, Ht],
-        t_weight [V', Ht], t_bias [V'] or None, token_weights [N, K] fp32; grad_on: whether the
-        caller's grad mode is on (the gradients are computed here, in the forward, only then).
-        Returns the tuple of ``HeadLossOutput`` fields (loss first)."""
+        t_weight [V', Ht], t_bias [V'] or None, token_weights [N, K] fp32; target_topk: None for
+        the full loss, else m of the candidate loss (``loss_candidates``; needs the scorer); grad_on:
+        whether the caller's grad mode is on (the gradients are computed here, in the forward, only
+        then). Returns the tuple of ``HeadLossOutput`` fields (loss first)."""
         n, k, h = states.shape
         v = weight.shape[0]
         dev = states.device
@@ -194,16 +188,21 @@ class FusedTTTHeadLoss(torch.autograd.Function):
             zt = mm_f32(th[p0:p1], tw_c.T)  # [P, V]
             if t_bias is not None:
                 zt += t_bias.to(zt.dtype)
-            z = mm_f32(xc, w_c.T)  # [P*K, V]
             a = xc @ d_c.T if scorer else None  # [P*K, r]
             s = mm_f32(a, u_c.T) if scorer else None  # [P*K, V]
-            dz, ds = rows_fn(z, zt, s, token_weights[p0:p1], k, topk, scorer_coef, scorer_full,
-                             compute_dtype, outs, slice(p0, p1), grads=need_x or need_w or need_s)
-            del z, zt, s
-            if need_x:
-                grad_x[p0:p1] = mm_f32(dz, w_c).view(p1 - p0, k, h)
-            if need_w:
-                addmm_f32_(grad_w, dz.T, xc)
+            if target_topk is not None:  # W at the candidates only; writes its gradients itself
+                ds = loss_candidates.candidate_rows(xc, zt, s, w_c, token_weights[p0:p1], k, topk, target_topk,
+                                                    scorer_coef, outs, slice(p0, p1), grad_x, grad_w, need_s)
+                del zt, s
+            else:
+                z = mm_f32(xc, w_c.T)  # [P*K, V]
+                dz, ds = rows_fn(z, zt, s, token_weights[p0:p1], k, topk, scorer_coef, scorer_full,
+                                 compute_dtype, outs, slice(p0, p1), grads=need_x or need_w or need_s)
+                del z, zt, s
+                if need_x:
+                    grad_x[p0:p1] = mm_f32(dz, w_c).view(p1 - p0, k, h)
+                if need_w:
+                    addmm_f32_(grad_w, dz.T, xc)
             if need_s:
                 addmm_f32_(grad_up, ds.T, a)
                 addmm_f32_(grad_down, (ds @ u_c).T, xc)
@@ -222,27 +221,37 @@ class FusedTTTHeadLoss(torch.autograd.Function):
         for g, dtype in zip(ctx.saved_tensors, ctx.dtypes):
             grads.append(None if g is None else g.mul_(grad_loss).to(dtype))
         gx, gw, gd, gu = grads
-        return gx, gw, gd, gu, *([None] * 11)
+        return gx, gw, gd, gu, *([None] * 12)
 
 
 def fused_ttt_head_loss(states: Tensor, weight: Tensor, teacher: TeacherHead, token_weights: Tensor,
                         scorer: tuple[Tensor, Tensor] | None = None, topk: int = 128,
                         scorer_coef: float = 1.0, scorer_teacher: str = "target",
                         chunk_positions: int | None = None, chunk_gib: float = 4.0,
-                        backend: str = "auto") -> HeadLossOutput:
+                        backend: str = "auto", head_loss: str = "full", target_topk: int = 128) -> HeadLossOutput:
     """See the module docstring. states [N, K, H] (any float dtype; the matmuls run in the autocast
     dtype if autocast is on, else in states' dtype), weight [V', H], teacher over the same V' rows
-    with hidden [N, Ht] flattened, token_weights [N, K] (0 = not scored)."""
+    with hidden [N, Ht] flattened, token_weights [N, K] (0 = not scored). ``head_loss``: "full"
+    (KL over all of V) or "candidates" (KL over the scorer's top-``topk`` and the target's
+    top-``target_topk``, ``torchspec.train.loss_candidates``: needs ``scorer`` and the "target"
+    scorer teacher; its row work runs in torch whatever ``backend`` says)."""
     if scorer_teacher not in ("target", "full"):
         raise ValueError(f"scorer_teacher={scorer_teacher!r}: use 'target' or 'full'.")
+    if head_loss not in ("full", "candidates"):
+        raise ValueError(f"head_loss={head_loss!r}: use 'full' or 'candidates'.")
+    candidates = head_loss == "candidates"
+    if candidates and (scorer is None or scorer_teacher != "target"):
+        raise ValueError("head_loss='candidates' needs the efficient head's scorer and scorer_teacher='target' "
+                         "(the 'full' teacher is the full head over all of V, the cost it removes).")
     dev = states.device
     dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else states.dtype
     n, k, _ = states.shape
     v = weight.shape[0]
     assert teacher.weight.shape[0] == v, f"teacher rows {teacher.weight.shape[0]} != head rows {v}"
+    sizes = (topk + min(target_topk, v), states.shape[-1]) if candidates else (0, 0)  # |C| <= k + m, H
     if chunk_positions is None:
-        chunk_positions = auto_chunk_positions(v, k, scorer is not None, dtype, chunk_gib)
-    check_chunk_fits(min(chunk_positions, n), v, k, scorer is not None, dtype, dev)
+        chunk_positions = auto_chunk_positions(v, k, scorer is not None, dtype, chunk_gib, *sizes)
+    check_chunk_fits(min(chunk_positions, n), v, k, scorer is not None, dtype, dev, *sizes)
     down, up = scorer if scorer is not None else (None, None)
     t_hidden = teacher.hidden.reshape(n, -1)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -252,8 +261,8 @@ def fused_ttt_head_loss(states: Tensor, weight: Tensor, teacher: TeacherHead, to
     with torch.autocast(dev.type, enabled=False):
         out = FusedTTTHeadLoss.apply(
             states, weight, down, up, t_hidden, teacher.weight, teacher.bias, token_weights.to(acc),
-            min(chunk_positions, states.shape[0]), dtype, topk, float(scorer_coef), scorer_teacher == "full",
-            resolve_backend(backend, dev, k), torch.is_grad_enabled())
+            min(chunk_positions, states.shape[0]), dtype, topk, target_topk if candidates else None, float(scorer_coef),
+            scorer_teacher == "full", "torch" if candidates else resolve_backend(backend, dev, k), torch.is_grad_enabled())
     loss, *rest = out
     if keep is not None:
         rest = [spread(x, keep, n) for x in rest]

@@ -16,7 +16,10 @@ q ("full" teacher, detached):
 
 ``row_pass_torch`` is the reference (any device); ``torchspec.train.loss_triton`` computes the same
 in one kernel with two passes over V per position (online max/sum-exp, then gradients), reading
-each teacher row once for its K student rows.
+each teacher row once for its K student rows. The candidate loss (``torchspec.train.loss_candidates``)
+reuses the pieces: ``row_pass_torch`` over gathered candidate logits (one student row per teacher
+row), ``teacher_rows``, ``topk_hits`` and ``scorer_rows``; ``mm_f32`` / ``addmm_f32_`` are the
+fp32-output GEMMs both paths use.
 """
 
 from __future__ import annotations
@@ -58,6 +61,27 @@ class RowOutputs:
         return out
 
 
+def mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b as fp32 (2-D, or 3-D batched). CUDA: bf16 operands accumulate in fp32 and are not rounded back. CPU has no
+    fp32-output bf16 GEMM: the bf16 product is rounded to bf16 and upcast, as bf16 autocast does
+    (CPUs run bf16 only where it is the faster: ``train.optim.fast_bf16``)."""
+    if a.dtype in (torch.float32, torch.float64):
+        return a @ b
+    if a.is_cuda:
+        return (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def addmm_f32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc (fp32) += a @ b in place: the GEMM's epilogue reads and writes acc (no temporary)."""
+    if a.dtype in (torch.float32, torch.float64):
+        acc.addmm_(a, b)
+    elif a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # CPU: a bf16 product per chunk, accumulated in fp32 (chunks are few on CPU)
+        acc.add_(a @ b)
+
+
 def row_pass_torch(z: Tensor, zt: Tensor, s: Tensor | None, w: Tensor, k: int, topk: int, coef: float,
                    scorer_full: bool, out_dtype: torch.dtype, outs: RowOutputs, rows: slice,
                    grads: bool = True) -> tuple[Tensor | None, Tensor | None]:
@@ -68,38 +92,58 @@ def row_pass_torch(z: Tensor, zt: Tensor, s: Tensor | None, w: Tensor, k: int, t
     With lse_z = logsumexp(z): KL = sum_v p log p - sum_v p z + lse_z (sum_v p = 1), so no
     log q tensor is needed."""
     p_n, v = zt.shape
-    logp = torch.log_softmax(zt, dim=-1)  # [P, V]
-    prob = logp.exp()
-    plogp = (prob * logp).sum(-1)  # [P]
+    prob, plogp, t_argmax = teacher_rows(zt)
     z3 = z.view(p_n, k, v)
     lse_z = torch.logsumexp(z3, dim=-1)  # [P, K]
     argmax = z3.argmax(-1)  # [P, K]
-    t_argmax = zt.argmax(-1)  # [P]
     outs.argmax[rows], outs.target_argmax[rows] = argmax, t_argmax
     outs.kl[rows] = plogp[:, None] - torch.einsum("pv,pkv->pk", prob, z3) + lse_z
     ds = None
     if s is not None:
         s3 = s.view(p_n, k, v)
-        lse_s = torch.logsumexp(s3, dim=-1)  # [P, K]
-        s_full = s3.gather(-1, argmax[..., None])  # [P, K, 1]
-        s_tgt = s3.gather(-1, t_argmax[:, None, None].expand(p_n, k, 1))
-        outs.full_in_topk[rows] = (s3 > s_full).sum(-1) < topk
-        outs.target_in_topk[rows] = (s3 > s_tgt).sum(-1) < topk
-        if scorer_full:  # teacher q (detached): KL = sum q (z - lse_z) - sum q s + lse_s
-            q = (z3 - lse_z[..., None]).exp()
-            outs.scorer_kl[rows] = (q * (z3 - lse_z[..., None] - s3)).sum(-1) + lse_s
+        outs.full_in_topk[rows] = topk_hits(s3, argmax, topk)
+        outs.target_in_topk[rows] = topk_hits(s3, t_argmax[:, None].expand(p_n, k), topk)
+        if scorer_full:  # teacher q = softmax(z), detached
+            logq = z3 - lse_z[..., None]
+            q = logq.exp()
+            outs.scorer_kl[rows], ds = scorer_rows(s3, q, (q * logq).sum(-1), w, coef, out_dtype, grads)
         else:
-            outs.scorer_kl[rows] = plogp[:, None] - torch.einsum("pv,pkv->pk", prob, s3) + lse_s
-        if not grads:
-            return None, None
-        qs = s3.sub_(lse_s[..., None]).exp_()  # in place: s -> softmax(s)
-        qs.sub_(q if scorer_full else prob[:, None]).mul_(coef * w[..., None])
-        ds = qs.view(p_n * k, v).to(out_dtype)
+            outs.scorer_kl[rows], ds = scorer_rows(s3, prob, plogp[:, None], w, coef, out_dtype, grads)
     if not grads:
         return None, None
     dz = z3.sub_(lse_z[..., None]).exp_()  # in place: z -> q
     dz.sub_(prob[:, None]).mul_(w[..., None])
     return dz.view(p_n * k, v).to(out_dtype), ds
+
+
+def teacher_rows(zt: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Teacher logits [P, V] -> (p = softmax(zt) [P, V], sum_v p log p [P], argmax_v zt [P])."""
+    logp = torch.log_softmax(zt, dim=-1)
+    prob = logp.exp()
+    return prob, (prob * logp).sum(-1), zt.argmax(-1)
+
+
+def topk_hits(s3: Tensor, ids: Tensor, topk: int) -> Tensor:
+    """[P, K] bool: token ``ids`` [P, K] is a top-``topk`` candidate of the scores s3 [P, K, V], i.e.
+    fewer than ``topk`` scores exceed its score (ties at the k-th score count as hits)."""
+    return (s3 > s3.gather(-1, ids[..., None])).sum(-1) < topk
+
+
+def scorer_rows(s3: Tensor, teacher: Tensor, teacher_plogp: Tensor, w: Tensor, coef: float,
+                out_dtype: torch.dtype, grads: bool) -> tuple[Tensor, Tensor | None]:
+    """The scorer's distillation rows: scores s3 [P, K, V] against a teacher distribution ``teacher``
+    ([P, V], shared by the K steps of a position, or [P, K, V]) with sum_v t log t ``teacher_plogp``
+    ([P, 1] or [P, K]). Returns (KL(t || softmax(s)) [P, K], ds = coef w (softmax(s) - t) [P*K, V]
+    in ``out_dtype``, or None when not ``grads``); ds is built in s3's memory."""
+    p_n, k, v = s3.shape
+    lse_s = torch.logsumexp(s3, dim=-1)  # [P, K]
+    shared = teacher.dim() == 2
+    kl = teacher_plogp - torch.einsum("pv,pkv->pk" if shared else "pkv,pkv->pk", teacher, s3) + lse_s
+    if not grads:
+        return kl, None
+    qs = s3.sub_(lse_s[..., None]).exp_()  # in place: s -> softmax(s)
+    qs.sub_(teacher[:, None] if shared else teacher).mul_(coef * w[..., None])
+    return kl, qs.view(p_n * k, v).to(out_dtype)
 
 
 def triton_unsupported(device: torch.device, steps: int) -> str | None:

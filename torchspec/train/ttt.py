@@ -69,10 +69,13 @@ class TTTResult:
 
 @dataclass(frozen=True)
 class HeadLossConfig:
-    """How the fused head loss runs (``torchspec.train.loss``): memory per chunk and backend."""
+    """How the fused head loss runs (``torchspec.train.loss``): memory per chunk, backend, and what the
+    full head's KL spans (``drafter.head_loss``)."""
 
     chunk_gib: float = 4.0  # transient memory of one chunk of positions (logits, gradients)
     backend: str = "auto"  # auto (Triton on CUDA) | triton | torch (the reference)
+    kind: str = "full"  # full (all of V) | candidates (an efficient head's top-k + the target's top-m)
+    target_topk: int = 128  # m of "candidates"
 
 
 def scored_mask(loss_mask: torch.Tensor, num_steps: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -205,6 +208,9 @@ def ttt_unroll(
     hidden [B, T, H] and LM head; denominators: [K] global valid counts. An efficient LM head's
     low-rank scorer is distilled in the same pass (teacher: the target distribution or the drafter's
     full head; its input state is detached) with the same token weights, times ``lowrank_coef``.
+    ``head_loss.kind="candidates"`` restricts the full head's KL to the scorer's top-k and the target's
+    top-m (``torchspec.train.loss_candidates``): the drafter's argmax is then the served proposal, so
+    ``correct`` counts served drafts and ``kl_sum`` sums the KL over the candidates.
     An MoE drafter's load-balancing loss of step k enters as
     ``moe_aux_coef * aux_k * valid_k / denominators[k] / K`` -- normalised like the KL (contract 4),
     so its weight does not depend on micro-batching, padding or data-parallel size.
@@ -228,7 +234,8 @@ def ttt_unroll(
             states, head.weight, drafter_teacher(teacher, drafter), token_weights,
             scorer=(head.down, head.up) if efficient else None, topk=head.topk if efficient else 0,
             scorer_coef=lowrank_coef, scorer_teacher=lowrank_teacher,
-            chunk_gib=head_loss.chunk_gib, backend=head_loss.backend)
+            chunk_gib=head_loss.chunk_gib, backend=head_loss.backend,
+            head_loss=head_loss.kind, target_topk=head_loss.target_topk)
     loss = out.loss
     target_argmax = out.target_argmax[:, None]  # [N, 1]
     correct = (drafter.draft_to_target_ids(out.argmax) == target_argmax) & valid  # [N, K]
