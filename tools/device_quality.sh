@@ -80,10 +80,12 @@ stage)
   ;;
 regenerate)
   [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" "$CARRY/.carryB/smol.part2" > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
-  # the held-out sets first (MT-Bench's 80 two-turn questions answered by the target: data.eval_path)
+  # the held-out sets first (MT-Bench's 80 two-turn questions answered by the target: data.eval_path), with
+  # the quality stage's 256 new tokens: SmolLM2's greedy replies grow repetitive with length (a 3-gram lookup
+  # predicts 13% of tokens 0-63 and 75% of tokens 192-255), so 768-token replies read as far easier
   python3 tools/heldout_conversations.py --prompt-set mtbench --out "$W/mtbench.jsonl"
   python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" source="$W/mtbench.jsonl" output="$W/regen_mtbench" \
-    cache_dir="$W/cache" concurrency=80 max_new_tokens=768 max_context=2048 2>&1 | tail -1 | tee -a "$OUT/regenerate.log"
+    cache_dir="$W/cache" concurrency=80 max_new_tokens=${HELDOUT_TOKENS:-256} max_context=2048 2>&1 | tail -1 | tee -a "$OUT/regenerate.log"
   # MAXCONV: ShareGPT conversations to answer; at the H200's 11.2K tokens/s about 6,000 fit one call
   timeout -s INT $(( $(left) - 30 )) python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
     source="$W/sg_users.jsonl" output="$W/regen" cache_dir="$W/cache" num_workers=$NGPU concurrency=$(( 256 / NGPU )) \
