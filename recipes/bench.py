@@ -33,6 +33,7 @@ from torchspec.runtime.cli import (
     read_prompt_set,
     spec_from_args,
 )
+from torchspec.runtime.costs import bytes_per_plain_step, copy_rate_bytes_per_s, step_costs
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.tp import is_rank0
 
@@ -86,17 +87,23 @@ def check_args(args) -> dict:
 
 
 def measure(engine, prompts, spec, params, max_new, seed, concurrency) -> dict:
+    """One timed ``generate``; ``round_ms``: decode time per batched engine round (a plain step for
+    plain decoding); ``mean_ctx``: the rows' mean committed length over their decode."""
+    rounds_before = engine.decode_rounds
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=max_new, sampling=params, spec=spec, seed=seed,
                               concurrency=concurrency)
     wall = time.perf_counter() - t0
+    engine_rounds = engine.decode_rounds - rounds_before
     prefill = sum(r.prefill_s for r in results)
     decode_tokens = sum(max(0, len(r.token_ids) - 1) for r in results)
     rounds = sum(len(r.accept_lengths) for r in results)
     decode_s = max(wall - prefill, 1e-9)
+    mean_ctx = sum(len(p) + len(r.token_ids) / 2 for p, r in zip(prompts, results)) / max(len(results), 1)
     return {"decode_tokens": decode_tokens, "decode_s": decode_s, "tokens_per_s": decode_tokens / decode_s,
             "rounds": rounds, "mean_acceptance": sum(sum(r.accept_lengths) for r in results) / max(rounds, 1),
-            "prefill_s": prefill, "wall_s": wall}
+            "prefill_s": prefill, "wall_s": wall, "engine_rounds": engine_rounds,
+            "round_ms": 1e3 * decode_s / max(engine_rounds, 1), "mean_ctx": mean_ctx}
 
 
 def run(args) -> dict:
@@ -111,6 +118,7 @@ def run(args) -> dict:
     tp_group, device = init_tp_from_env()  # under torchrun: the target is tensor-parallel over all ranks
     kwargs["device"] = args.device or device
     engine = load_engine(args.target, args.drafter, tp_group=tp_group, **kwargs)
+    copy_rate = copy_rate_bytes_per_s(engine.device)  # CUDA: the HBM ceiling of hbm_fraction; None on CPU
     rows = []
     for set_name, raw_prompts in checked["prompt_sets"].items():
         prompts = render_prompts(engine.tokenizer, raw_prompts)
@@ -120,33 +128,41 @@ def run(args) -> dict:
                 chosen = (prompts * (1 + max(c, args.num_prompts) // len(prompts)))[: max(c, args.num_prompts)]
                 measure(engine, chosen[:c], None, params, 16, args.seed, c)  # warm-up
                 plain = measure(engine, chosen, None, params, args.max_new_tokens, args.seed, c)
+                step_bytes = bytes_per_plain_step(engine, c, plain["mean_ctx"])
                 rows.append({"prompt_set": set_name, "temperature": temp, "concurrency": c, "mode": "plain",
-                             **plain, "speedup": 1.0})
+                             **plain, **step_costs(plain["round_ms"], plain["round_ms"], step_bytes, copy_rate),
+                             "speedup": 1.0})
                 for shape in shapes:
                     spec = dataclasses.replace(base_spec, shape=shape)
                     measure(engine, chosen[:c], spec, params, 16, args.seed, c)
                     res = measure(engine, chosen, spec, params, args.max_new_tokens, args.seed, c)
                     rows.append({"prompt_set": set_name, "temperature": temp, "concurrency": c, "mode": shape,
-                                 **res, "speedup": res["tokens_per_s"] / plain["tokens_per_s"]})
+                                 **res, **step_costs(res["round_ms"], plain["round_ms"], step_bytes, copy_rate),
+                                 "speedup": res["tokens_per_s"] / plain["tokens_per_s"]})
                     if is_rank0():
                         print(format_row(rows[-1]), flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and engine.device.type == "cuda" else \
         platform.processor() or "cpu"
     tp = engine.decoder.tp_size
-    return {"device": device, "tp": tp, "args": vars(args), "spec": dataclasses.asdict(base_spec), "rows": rows}
+    return {"device": device, "tp": tp, "copy_rate_gb_per_s": copy_rate / 1e9 if copy_rate else None,
+            "args": vars(args), "spec": dataclasses.asdict(base_spec), "rows": rows}
 
 
 def format_row(r: dict) -> str:
     return (f"{r['prompt_set']:<10} T={r['temperature']:<4} c={r['concurrency']:<3} {r['mode']:<6} "
-            f"{r['tokens_per_s']:9.1f} tok/s  x{r['speedup']:.2f}  accept {r['mean_acceptance']:.2f}")
+            f"{r['tokens_per_s']:9.1f} tok/s  x{r['speedup']:.2f}  accept {r['mean_acceptance']:.2f}  "
+            f"round {r['round_cost_plain_steps']:.2f} plain steps")
 
 
 def print_table(out: dict) -> None:
     print(f"\ndevice: {out['device']}")
-    print(f"{'set':<10} {'T':<6} {'conc':<6} {'mode':<6} {'tok/s':>9} {'speedup':>8} {'accept':>7}")
+    print(f"{'set':<10} {'T':<6} {'conc':<6} {'mode':<6} {'tok/s':>9} {'speedup':>8} {'accept':>7} "
+          f"{'round ms':>9} {'plain steps':>11} {'hbm':>5}")
     for r in out["rows"]:
+        hbm = f"{r['hbm_fraction']:5.2f}" if r["hbm_fraction"] is not None else f"{'-':>5}"
         print(f"{r['prompt_set']:<10} {r['temperature']:<6} {r['concurrency']:<6} {r['mode']:<6} "
-              f"{r['tokens_per_s']:9.1f} {r['speedup']:8.2f} {r['mean_acceptance']:7.2f}")
+              f"{r['tokens_per_s']:9.1f} {r['speedup']:8.2f} {r['mean_acceptance']:7.2f} {r['round_ms']:9.3f} "
+              f"{r['round_cost_plain_steps']:11.2f} {hbm}")
 
 
 def main(argv: list[str] | None = None) -> None:

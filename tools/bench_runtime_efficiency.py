@@ -28,6 +28,8 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from torchspec.runtime.costs import bytes_per_plain_step, copy_rate_bytes_per_s, step_costs  # noqa: E402
+
 SHAPES = {  # name: (family, hidden, layers, heads, kv_heads, head_dim, intermediate, vocab)
     "qwen3-8b": ("qwen3", 4096, 36, 32, 8, 128, 12288, 151936),
     "llama-1b": ("llama", 2048, 16, 32, 8, 64, 8192, 128256),
@@ -121,38 +123,6 @@ def set_noise(engine, noise: float, seed: int = 0) -> None:
     w.copy_(base + noise / h**0.5 * torch.randn(h, 2 * h, device=w.device, generator=g))
 
 
-def copy_rate_bytes_per_s(device: str) -> float | None:
-    """The measured device-to-device copy rate (bytes read + written per second), the HBM ceiling."""
-    if not device.startswith("cuda"):
-        return None
-    n = 1 << 30  # 1 GiB each way: far past the L2
-    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
-    src.random_(0, 255)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * n / sorted(times)[len(times) // 2]
-
-
-def bytes_per_plain_step(engine, concurrency: int, mean_ctx: float) -> float:
-    """What one plain decode step must read: every layer weight and the lm_head once (the embedding
-    reads only the batch's rows), plus the K/V of every committed position of every row."""
-    d = engine.decoder
-    weights = sum(p.numel() * p.element_size() for n, p in d.named_parameters() if not n.startswith("embed_tokens"))
-    if d.lm_head is None:  # tied: the embedding matrix is the head
-        weights += d.embed_tokens_weight.numel() * d.embed_tokens_weight.element_size()
-    kv = engine.caches.target.k
-    kv_per_token = 2 * kv.shape[0] * kv.shape[-2] * kv.shape[-1] * kv.element_size()  # cache layers x (K, V)
-    return weights + concurrency * mean_ctx * kv_per_token
-
-
 def measure(engine, prompts, spec, max_new: int, concurrency: int) -> dict:
     engine.generate(prompts[:concurrency], max_new_tokens=8, spec=spec, ignore_eos=True, concurrency=concurrency)
     if torch.cuda.is_available():
@@ -212,9 +182,7 @@ def main() -> None:
                     speedup = res["tokens_per_s"] / plain["tokens_per_s"]
                     step_bytes = bytes_per_plain_step(engine, c, args.prompt_len + args.max_new_tokens / 2)
                     row = {"shape": shape, "noise": noise, "concurrency": c, "mode": name,
-                           "plain_step_ms": plain["round_ms"], "round_ms": res["round_ms"],
-                           "round_cost_plain_steps": res["round_ms"] / plain["round_ms"],
-                           "hbm_fraction": (step_bytes / (plain["round_ms"] / 1e3) / copy_rate) if copy_rate else None,
+                           **step_costs(res["round_ms"], plain["round_ms"], step_bytes, copy_rate),
                            "plain_tokens_per_s": plain["tokens_per_s"], "tokens_per_s": res["tokens_per_s"],
                            "speedup": speedup, "mean_acceptance": res["mean_acceptance"],
                            "efficiency": speedup / res["mean_acceptance"],

@@ -24,9 +24,10 @@ sys.path.insert(0, str(REPO / "tools"))
 
 
 def main() -> None:
-    from bench_runtime_efficiency import build_engine, bytes_per_plain_step, copy_rate_bytes_per_s
+    from bench_runtime_efficiency import build_engine
     from profile_round import graph_ms as graph_replay_ms
 
+    from torchspec.runtime.costs import bytes_per_plain_step, copy_rate_bytes_per_s
     from torchspec.runtime.sampling import SamplingParams
     from torchspec.runtime.steps import plain_step
 

@@ -78,10 +78,19 @@ def test_bench_table_and_json(pair, tmp_path, capsys):
     data = json.loads(out.read_text())
     modes = {(r["concurrency"], r["mode"]) for r in data["rows"]}
     assert modes == {(c, m) for c in (1, 2) for m in ("plain", "tree", "chain")}
+    plain_ms = {r["concurrency"]: r["round_ms"] for r in data["rows"] if r["mode"] == "plain"}
     for r in data["rows"]:
         assert r["tokens_per_s"] > 0 and r["decode_tokens"] > 0
         assert r["mode"] != "plain" or (r["speedup"] == 1.0 and r["mean_acceptance"] == 1.0)
-    assert "speedup" in table and "accept" in table
+        # issue 13's cost keys: a round in plain steps of the same concurrency; no copy rate on the CPU
+        assert r["plain_step_ms"] == plain_ms[r["concurrency"]] and r["round_ms"] > 0
+        assert r["round_ms"] == pytest.approx(1e3 * r["decode_s"] / r["engine_rounds"])
+        assert r["round_cost_plain_steps"] == pytest.approx(r["round_ms"] / r["plain_step_ms"])
+        assert r["hbm_fraction"] is None and data["copy_rate_gb_per_s"] is None
+        # a batched round commits at least one token per live row: rounds <= tokens + rows
+        assert r["engine_rounds"] <= r["decode_tokens"] + 3
+    assert all(r["round_cost_plain_steps"] == 1.0 for r in data["rows"] if r["mode"] == "plain")
+    assert "speedup" in table and "accept" in table and "plain steps" in table
 
 
 def test_file_prompt_sets(tmp_path):
