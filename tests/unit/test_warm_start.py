@@ -220,3 +220,21 @@ def test_convert_cli_round_trip_and_mismatched_target(tmp_path, tiny_tokenizer, 
     assert exit_info.value.code == 2
     assert "hidden_size: EAGLE-3 32, target 64" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_convert_reads_a_training_runs_export(tmp_path, tiny_tokenizer):
+    """A run's serving export (``<output_dir>/drafter``) records its target and how far it was trained
+    (``training``: step, train_tokens); torchspec-convert warm-starts from it as from save_pretrained."""
+    from recipes.convert import main
+    from torchspec.export.serving import export_drafter, export_training, target_identity
+
+    target_dir = build_tiny_target(str(tmp_path / "target"), vocab_size=V, num_layers=4, hidden_size=H,
+                                   num_heads=4, num_kv_heads=2, tokenizer=tiny_tokenizer)
+    target = TargetDecoder.from_pretrained(target_dir, aux_layer_ids=[0, 1, 2])
+    export_drafter(random_e3(), tmp_path / "e3_export", dtype="float32", target_identity=target_identity(target),
+                   training={"step": 40, "train_tokens": 12345})
+    assert export_training(tmp_path / "e3_export") == {"step": 40, "train_tokens": 12345}
+    main([str(tmp_path / "e3_export"), str(tmp_path / "e4"), "--target", target_dir, "--fit-samples", "2",
+          "--fit-length", "16", "--set", "lm_head_rank=8"])
+    e4 = Eagle4Drafter.from_pretrained(tmp_path / "e4")
+    assert e4.config.lm_head_rank == 8 and e4.config.aux_layer_ids == [0, 1, 2]
