@@ -41,7 +41,8 @@ def test_tiny_rows_flops_merge_and_table(bench, tmp_path, capsys):
     for r in rows:
         assert KEYS <= set(r), KEYS - set(r)
         assert r["device"] == "cpu" and r["mfu"] is None and r["peak_gib"] is None and r["precision"] == "fp32"
-        assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(32 / (r["step_ms"] / 1e3), rel=1e-3)
+        # the tool rounds tokens/s to 0.1: on a slow (shared) CPU that is more than 1e-3 of ~13 tokens/s
+        assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(32 / (r["step_ms"] / 1e3), rel=1e-3, abs=0.05)
         assert r["flops"] == expected_flops(bench.SHAPES["tiny"], r["drafter"], r["head"], 32)
         assert r["tflops"] == pytest.approx(r["flops"] / (r["step_ms"] / 1e3) / 1e12, abs=0.01)
     text = capsys.readouterr().out
