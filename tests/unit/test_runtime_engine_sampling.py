@@ -26,6 +26,7 @@ verification rule, no compaction, or per-row settings applied to the wrong rows)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -243,3 +244,26 @@ def test_positive_control_mixed_rows_misaligned_is_rejected(engine, target_joint
     ps = {str(params): pvalues(c, target_joint(params)) for params, c in counts.items()}
     print(f"mixed rows misaligned: p {ps}")
     assert min(min(p.values()) for p in ps.values()) < 1e-6
+
+
+def test_mixed_rounds_without_top_p_skip_the_filter_with_the_same_tokens(engine, monkeypatch):
+    """A mixed round whose sampled rows use no top-k / top-p runs without the filter's sort; the
+    seeded output is the same token for token as with the filter forced on (which keeps every token)."""
+    rows = [[1, 2, 3], [3, 2, 1], [2, 2, 2], [1, 1, 3]] * 4
+    params = SamplingParams(temperature=1.0)
+    seen = []
+    of = RowSampling.of
+
+    def recording(cls, p, device):
+        seen.append(of(p, device).filtered)
+        return of(p, device)
+
+    monkeypatch.setattr(RowSampling, "of", classmethod(recording))
+    fast = [r.token_ids for r in engine.generate(rows, max_new_tokens=8, sampling=params, spec=SAMPLED_TREE,
+                                                 seed=7, ignore_eos=True)]
+    assert seen and not any(seen)  # every round took the unfiltered path
+    forced = classmethod(lambda cls, p, device: dataclasses.replace(of(p, device), filtered=True))
+    monkeypatch.setattr(RowSampling, "of", forced)
+    slow = [r.token_ids for r in engine.generate(rows, max_new_tokens=8, sampling=params, spec=SAMPLED_TREE,
+                                                 seed=7, ignore_eos=True)]
+    assert fast == slow

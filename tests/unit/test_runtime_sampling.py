@@ -12,6 +12,7 @@ import torch
 
 from tests.stats import chi2_pvalue
 from torchspec.runtime.sampling import (
+    RowSampling,
     SamplingParams,
     process_logits,
     remove_and_renormalise,
@@ -103,6 +104,29 @@ def test_process_logits_batched_fp32_and_rowwise():
     for i, j in itertools.product(range(2), range(3)):
         torch.testing.assert_close(out[i, j], process_logits(logits[i, j], params))
     assert ((out > 0).sum(-1) <= 6).all()
+
+
+def test_row_sampling_filters_only_when_a_sampled_row_asks():
+    t1, greedy = SamplingParams(temperature=1.0), SamplingParams()
+    assert not RowSampling.of([t1, greedy, SamplingParams(temperature=0.5)], "cpu").filtered
+    assert not RowSampling.of([t1, SamplingParams(top_p=0.5, top_k=3)], "cpu").filtered  # a greedy row's filter is moot
+    assert RowSampling.of([t1, SamplingParams(temperature=0.7, top_p=0.9)], "cpu").filtered
+    assert RowSampling.of([SamplingParams(temperature=1.0, top_k=4), greedy], "cpu").filtered
+
+
+def test_unfiltered_rows_give_the_filtered_paths_probabilities_exactly():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 4, 50, generator=g)
+    logits[1, :, 7:20] = -INF  # an efficient head's sparse logits
+    rows = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=0.6)]
+    fast = RowSampling.of(rows, "cpu")
+    assert not fast.filtered
+    slow = RowSampling(fast.temperature, fast.top_p, fast.top_k, greedy=False, filtered=True)
+    assert torch.equal(process_logits(logits, fast), process_logits(logits, slow))  # bit for bit
+    # positive control: where a row does ask for top-p, skipping the filter would change its distribution
+    nucleus = RowSampling.of([SamplingParams(temperature=1.0, top_p=0.5)] * 3, "cpu")
+    skipped = RowSampling(nucleus.temperature, nucleus.top_p, nucleus.top_k, filtered=False)
+    assert not torch.equal(process_logits(logits, nucleus), process_logits(logits, skipped))
 
 
 @pytest.mark.parametrize("kw, field", [

@@ -19,7 +19,8 @@ never a sync.
 The rows of a round may carry different sampling settings: a round whose rows are all greedy runs
 the greedy round (argmax verification, dynamic tree); any sampled row makes it a mixed round with
 per-row settings (``sampling.RowSampling``; sampled tree). CUDA graphs are keyed by (kind, batch
-size, spec, greedy-or-mixed) only: the per-row values are graph inputs. Sampled draws come from
+size, spec, greedy / mixed / mixed with a top-k or top-p row) only: the per-row values are graph inputs
+(a mixed round without top-k / top-p skips the filter's vocabulary-wide sort). Sampled draws come from
 one generator per ``configure`` (seed), so a run is reproducible for a fixed seed and schedule.
 
 A hybrid target (Gated DeltaNet layers) also keeps a recurrent state per slot
@@ -242,7 +243,7 @@ class SpeculativeEngine:
         slots, chosen = self.scheduler.slots, set(rows)
         host = RowSampling.of([slots[i].request.sampling if i in chosen else GREEDY for i in active], "cpu")
         t, p, k = (host_to_device(x, x.dtype, self.device) for x in (host.temperature, host.top_p, host.top_k))
-        return RowSampling(t, p, k, greedy=host.greedy)
+        return RowSampling(t, p, k, greedy=host.greedy, filtered=host.filtered)
 
     def _prefill(self, plan: list[tuple[int, int]]) -> None:
         """One prefill forward: the next chunk of each planned slot's prompt [(slot, length)]."""
@@ -321,7 +322,8 @@ class SpeculativeEngine:
             args = {"inp": DraftInputs(root=self.root[index], normed=self.normed[index],
                                        feedback=self.feedback[index], ctx_len=ctx, block_table=bt, row_valid=valid),
                     "slots": index, "params": params}
-        key = ("plain" if spec is None else "spec", len(active), spec, "greedy" if greedy else "mixed")
+        kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
+        key = ("plain" if spec is None else "spec", len(active), spec, kind)
         out = step(**args) if self.graphs is None else self._run_graph(key, step, args)
         self._store(index, out)
         committed = torch.cat([out.count[:, None], out.tokens], 1).tolist()  # the round's one host sync

@@ -45,19 +45,24 @@ class RowSampling:
     """Per-row settings of one batch (static shape [B]; the values never change a graph's shape).
 
     ``greedy`` is host-side and static: True when every row is greedy (the engine then runs its
-    greedy round: argmax verification, dynamic tree), False for a batch with any sampled row."""
+    greedy round: argmax verification, dynamic tree), False for a batch with any sampled row.
+    ``filtered`` is host-side and static too: whether any sampled row uses top-k or top-p. Without
+    one, ``process_logits`` skips the vocabulary-wide sort of the filter (the same probabilities:
+    a filter that keeps every token changes nothing); the engine keys its graphs by it."""
 
     temperature: torch.Tensor  # [B] fp32, 0 = greedy row
     top_p: torch.Tensor  # [B] fp32, 1 = off
     top_k: torch.Tensor  # [B] long, 0 = off
     greedy: bool = False
+    filtered: bool = True
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device | str) -> RowSampling:
         t = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-        return cls(t.to(device), p.to(device), k.to(device), greedy=all(x.greedy for x in params))
+        filtered = any(not x.greedy and (x.top_k > 0 or x.top_p < 1.0) for x in params)
+        return cls(t.to(device), p.to(device), k.to(device), greedy=all(x.greedy for x in params), filtered=filtered)
 
 
 def _point_mass(x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +79,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams | RowSampling) -
     renormalise. Sorting is stable, so ties are broken towards the lower token id.
 
     ``RowSampling`` applies row b's settings to ``logits[b]`` (greedy rows: point mass); the
-    top-k / top-p filter then always runs (its cost does not depend on the rows' values).
+    top-k / top-p filter (a sort over V) runs when its host-side ``filtered`` says a sampled row
+    uses one, for every row (its cost does not depend on the rows' values).
     """
     x = logits.float()
     if params.greedy:
@@ -85,7 +91,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams | RowSampling) -
         t = params.temperature.view(col)
         greedy_rows = t == 0
         temperature, top_p, top_k = torch.where(greedy_rows, 1.0, t), params.top_p.view(col), params.top_k.view(col)
-        filtered = True
+        filtered = params.filtered
     else:
         temperature, top_p, top_k = params.temperature, params.top_p, params.top_k
         filtered = top_k > 0 or top_p < 1.0
