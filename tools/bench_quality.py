@@ -227,6 +227,10 @@ class _Recorder:
         self.results = self.engine.generate(*args, **kwargs)
         return self.results
 
+    @property
+    def decode_rounds(self) -> int:  # measure's round count (round_ms)
+        return self.engine.decode_rounds
+
 
 def timed(engine, prompts: list[list[int]], spec, temperature: float, max_new: int, seed: int, c: int):
     """A warm-up (CUDA-graph capture), then ``recipes.bench.measure`` -> (its numbers, the results)."""
