@@ -263,6 +263,23 @@ def plot_quality(metrics: dict[str, Path], quality: Path, out_acceptance: Path, 
     plt.close(fig)
 
 
+def plot_repetition(sources: dict[str, Path], out: Path) -> None:
+    """Share of SmolLM2's greedy reply tokens a 3-gram lookup predicts, by position in the reply
+    (tools/response_repetition.py): why long held-out replies read as easy."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for name, src in sources.items():
+        rows = json.loads(src.read_text())["rows"]
+        ax.plot([(r["start"] + r["end"]) / 2 for r in rows], [r["predicted"] for r in rows], "-o", label=name)
+    ax.set_xlabel("position in the reply (tokens)")
+    ax.set_ylabel("predicted by a 3-gram lookup")
+    ax.set_ylim(0, 1)
+    ax.set_title("SmolLM2-135M greedy replies loop as they grow (H200, bf16)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     bench, img = ROOT / "docs" / "bench", ROOT / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -289,4 +306,8 @@ if __name__ == "__main__":
     if (bench / "quality_smollm2.json").exists() and all(p.exists() for p in quality.values()):
         plot_quality(quality, bench / "quality_smollm2.json", img / "quality_acceptance_vs_tokens.png",
                      img / "quality_speedup_vs_concurrency.png")
+    repetition = {name: bench / f"response_repetition_{name.lower().replace('-', '')}_h200.json"
+                  for name in ("MT-Bench", "HumanEval")}
+    if all(p.exists() for p in repetition.values()):
+        plot_repetition(repetition, img / "response_repetition.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))
