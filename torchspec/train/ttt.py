@@ -102,8 +102,8 @@ def chain_rounds(correct: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Te
                  document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy chain rounds of depth K serving runs over every response, from [B, T, K] bool tensors by
     TARGET position: ``correct`` (the token serving would propose is the target's) and ``valid``
-    (``scored_mask``), and the [B, T] loss mask / document ids -> (tokens committed, rounds), fp64 scalars.
-    Reads the tensors to the host once.
+    (``scored_mask``), and the [B, T] loss mask / document ids -> (tokens committed, rounds), fp64 scalars:
+    the depth-K entries of ``chain_rounds_by_depth``.
 
     Step k from input position t predicts x_{t+k+2} (target position t + k + 1). Serving takes a
     response's first token x_P from the prefill, so a round can start at t iff x_{t+1} is a response token
@@ -112,26 +112,37 @@ def chain_rounds(correct: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Te
     the next round starts that many positions later; then the next response (or document) begins. This
     is serving's own weighting of positions: a stretch the drafter gets right is crossed in few rounds.
     """
+    tokens, rounds = chain_rounds_by_depth(correct, valid, loss_mask, document_ids)
+    return tokens[-1], rounds[-1]
+
+
+def chain_rounds_by_depth(correct: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor,
+                          document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chain_rounds`` for a chain of every serving depth d = 1..K (the walk over the first d steps:
+    they do not depend on K) -> (tokens [K], rounds [K]) fp64. Reads the tensors to the host once."""
     b, t, k = correct.shape
     by_start = torch.stack([shift_left(correct[..., i], i + 1, False) for i in range(k)], -1).cpu()
     starts = shift_left(valid[..., 0], 1, False).cpu()  # [B, T]: step 0 from t is scored
     generated = shift_left(loss_mask.bool(), 1, False)  # x_{t+1} is a response token ...
     if document_ids is not None:  # ... of t's own document
         generated = generated & (shift_left(document_ids, 1, -3) == document_ids)
-    run = by_start.long().cumprod(-1).sum(-1)  # [B, T] leading correct steps
+    leading = by_start.long().cumprod(-1)  # [B, T, K]: steps 0..i from t all correct
     positions = torch.arange(t).expand(b, t)
     left = _next_at_or_after(~starts)[:, :t] - positions  # scored starts from t to the response's end
-    committed = torch.minimum(1 + run, left)
     next_round = _next_at_or_after(starts & generated.cpu())  # [B, T+1]: the first round start at or after x
-    pos = next_round[:, 0].clone()
-    tokens = rounds = 0
     rows = torch.arange(b)
-    while bool((live := pos < t).any()):
-        c = committed[rows, pos.clamp(max=t - 1)]
-        tokens, rounds = tokens + int(c[live].sum()), rounds + int(live.sum())
-        pos = torch.where(live, next_round[rows, (pos + c).clamp(max=t)], t)
-    return (torch.tensor(float(tokens), dtype=torch.float64, device=valid.device),
-            torch.tensor(float(rounds), dtype=torch.float64, device=valid.device))
+    totals = []
+    for depth in range(1, k + 1):
+        committed = torch.minimum(1 + leading[..., :depth].sum(-1), left)  # [B, T]
+        pos = next_round[:, 0].clone()
+        tokens = rounds = 0
+        while bool((live := pos < t).any()):
+            c = committed[rows, pos.clamp(max=t - 1)]
+            tokens, rounds = tokens + int(c[live].sum()), rounds + int(live.sum())
+            pos = torch.where(live, next_round[rows, (pos + c).clamp(max=t)], t)
+        totals.append((float(tokens), float(rounds)))
+    out = torch.tensor(totals, dtype=torch.float64, device=valid.device)  # [K, 2]
+    return out[:, 0].contiguous(), out[:, 1].contiguous()
 
 
 def _next_at_or_after(mask: torch.Tensor) -> torch.Tensor:
@@ -241,13 +252,11 @@ def ttt_unroll(
     correct = (drafter.draft_to_target_ids(out.argmax) == target_argmax) & valid  # [N, K]
     aux: dict[str, torch.Tensor] = {}
     if walk_chains:  # serving proposes the dense argmax only when it is among an efficient head's top-k
-        served = (correct & out.full_in_topk if efficient else correct).view(b, t, num_steps)
-        # a chain of serving depth d is the walk over the unroll's first d steps (they do not depend on K)
-        walks = [chain_rounds(served[..., :d], valid.view(b, t, num_steps)[..., :d], loss_mask, document_ids)
-                 for d in range(1, num_steps + 1)]
-        chain_tokens, chain_count = walks[-1]
-        aux["chain_tokens_by_depth"] = torch.stack([w[0] for w in walks])  # [K]
-        aux["chain_rounds_by_depth"] = torch.stack([w[1] for w in walks])
+        served = correct & out.full_in_topk if efficient else correct  # [N, K]
+        by_depth = chain_rounds_by_depth(served.view(b, t, num_steps), valid.view(b, t, num_steps),
+                                         loss_mask, document_ids)  # serving depths 1..K
+        aux["chain_tokens_by_depth"], aux["chain_rounds_by_depth"] = by_depth  # [K] each
+        chain_tokens, chain_count = by_depth[0][-1], by_depth[1][-1]
     else:
         chain_tokens = chain_count = torch.zeros((), dtype=torch.float64, device=valid.device)
     if efficient:
