@@ -290,11 +290,9 @@ class SpeculativeEngine:
         self.decode_rounds += 1
         sch, spec = self.scheduler, self.spec
         slots = sch.slots
-        per_round, page = self._per_round(greedy), self.page_size
+        per_round = self._per_round(greedy)
         for i in rows:
-            s = slots[i]
-            if s.ctx + per_round > len(s.pages) * page:  # crosses into a page it does not have yet
-                sch.ensure_pages(i, s.ctx + per_round)
+            sch.ensure_pages(i, slots[i].ctx + per_round)  # allocates only when the round crosses into a new page
         sch.flush_table()
         if self.graphs is not None:  # every slot runs (one static shape); row j is slot j
             active, chosen = range(sch.concurrency), set(rows)
