@@ -56,7 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--impls", nargs="+", default=["kernel", "reference"], choices=["kernel", "reference"])
+    p.add_argument("--impls", nargs="+", default=["kernel", "reference"], choices=["kernel", "kernel_bw", "reference"],
+                   help="kernel_bw: the kernels with the bandwidth chunk rule alone (min_chunk >= 8 x rows keys, "
+                        "the rule before small grids took one-tile splits)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--inner", type=int, default=10, help="calls per CUDA graph replay")
@@ -175,6 +177,18 @@ def time_ms(args, call) -> float:
     return statistics.median(times)
 
 
+def _bandwidth_rule(attend, *args):
+    """``attend(*args)`` planned as if no split's partials fit in L2 (the chunk rule for large grids)."""
+    import torchspec.runtime.paged_attention_triton as kernels
+
+    l2 = kernels._l2_bytes
+    kernels._l2_bytes = lambda device: 0
+    try:
+        return attend(*args)
+    finally:
+        kernels._l2_bytes = l2
+
+
 def bench_case(args, mode: str, batch: int, ctx: int, copy: float) -> list[dict]:
     tq = MODES[mode]
     q, k_pool, v_pool, meta = make_case(args, batch, ctx, tq)
@@ -182,10 +196,11 @@ def bench_case(args, mode: str, batch: int, ctx: int, copy: float) -> list[dict]
     ref = paged_attention_reference(q, k_pool, v_pool, meta, scale)  # also builds meta.mask once
     calls = {"reference": lambda: paged_attention_reference(q, k_pool, v_pool, meta, scale)}
     max_err = None
-    if "kernel" in args.impls:
+    if {"kernel", "kernel_bw"} & set(args.impls):
         from torchspec.runtime.paged_attention_triton import paged_attention_triton
 
         calls["kernel"] = lambda: paged_attention_triton(q, k_pool, v_pool, meta, scale)
+        calls["kernel_bw"] = lambda: _bandwidth_rule(paged_attention_triton, q, k_pool, v_pool, meta, scale)
         max_err = (calls["kernel"]().float() - ref.float()).abs().max().item()
     needed = batch * args.kv_heads * (ctx + tq) * args.head_dim * 2 * k_pool.element_size()
     mask_ms = time_ms(args, lambda: build_attention_meta(meta.block_table, meta.ctx_len, meta.tree_mask,

@@ -22,7 +22,10 @@
 #   The calls must follow each other within the machine's 30 s idle window, or /tmp is gone.
 #
 # CALL_S: the seconds this call may use (default 570); STEPS: the runs' train.max_steps; SAVE_EVERY / EVAL_EVERY:
-# their checkpoint and held-out intervals (250; a run killed at the call's limit loses the steps since its last save). Results land in $OUT.
+# their checkpoint and held-out intervals (250; a run killed at the call's limit loses the steps since its last save);
+# LR / WARMUP: train.lr / train.warmup_steps (5e-4 / 200). Results gather in $W/res and come back as one
+# $OUT/res_<stage>.tgz per call ($OUT returns at most 8 files); regenerate also returns the regenerated data
+# ($OUT/regen_data.tgz: carry it next time and skip the regeneration with REGEN_TGZ=<its path>).
 # Measured on one H200 (docs/results.md, "Quality"): regeneration at 11.2K generated tokens/s (c=256), so a
 # whole ShareGPT pass needs more than one call; a stopped regeneration resumes from its finished shards.
 # The device lacks gguf: carry its wheel in .whl (pip download gguf). Training's held-out set is MT-Bench
@@ -51,7 +54,7 @@ train_all() {  # $1: seconds; resumes every run from its latest checkpoint
   [ "$limit" -gt 90 ] || { echo "no time left to train ($limit s)"; return; }
   common="target.path=$W/smollm2.gguf target.cache_dir=$W/cache data=jsonl data.path=$W/regen
     data.max_length=2048 data.pack=true data.eval_size=64 train=gpu train.micro_batch_size=8 train.grad_accum=1
-    train.lr=5e-4 train.warmup_steps=200 train.max_steps=$STEPS train.log_every=25 train.save_every=${SAVE_EVERY:-250}
+    train.lr=${LR:-5e-4} train.warmup_steps=${WARMUP:-200} train.max_steps=$STEPS train.log_every=25 train.save_every=${SAVE_EVERY:-250}
     train.keep_checkpoints=40 train.eval_every=${EVAL_EVERY:-250} train.report_to=none train.async_checkpoint=true
     data.eval_path=$W/regen_mtbench data.eval_size=80"
   for run in $RUNS; do
@@ -62,10 +65,13 @@ train_all() {  # $1: seconds; resumes every run from its latest checkpoint
   done
   wait
   for name in $NAMES; do
-    cp "$W/train_$name.log" "$OUT/"; cp "$W/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+    cp "$W/train_$name.log" "$RES/"; cp "$W/$name/metrics.jsonl" "$RES/${name}_metrics.jsonl" 2>/dev/null
     tail -3 "$W/train_$name.log"
   done
 }
+RES=$W/res
+mkdir -p "$RES"
+trap 'tar czf "$OUT/res_${1:-none}.tgz" -C "$W" res 2>/dev/null' EXIT
 
 case "${1:-}" in
 stage)
@@ -75,28 +81,37 @@ stage)
   mkdir -p /tmp/site/torchspec-0.1.0.dist-info && printf 'Metadata-Version: 2.1\nName: torchspec\nVersion: 0.1.0\n' \
     > /tmp/site/torchspec-0.1.0.dist-info/METADATA
   cp "$CARRY/.carryA/smol.part1" "$W/" && gunzip -c "$CARRY/.carryA/sg_users.jsonl.gz" > "$W/sg_users.jsonl"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/gpu.txt"
+  # GPU_TESTS: the GPU test files to run (split over the GPUs in two halves), GPU_TEST_S seconds
   t=${GPU_TEST_S:-100}
+  set -- ${GPU_TESTS:-tests/gpu/test_runtime_hybrid_gpu.py tests/gpu/test_target_fused_gpu.py tests/gpu/test_runtime_gpu.py}
+  half=$(( ($# + 1) / 2 ))
   CUDA_VISIBLE_DEVICES=0 timeout "$t" python3 -m pytest -q -p no:cacheprovider -p no:logging \
-    tests/gpu/test_runtime_hybrid_gpu.py > "$OUT/gpu_tests_hybrid.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=$(( 1 % NGPU )) timeout "$t" python3 -m pytest -q -p no:cacheprovider -p no:logging \
-    tests/gpu/test_target_fused_gpu.py tests/gpu/test_runtime_gpu.py > "$OUT/gpu_tests_fused.log" 2>&1 &
-  wait; tail -3 "$OUT"/gpu_tests_*.log
+    "${@:1:$half}" > "$RES/gpu_tests_a.log" 2>&1 &
+  [ "$#" -gt "$half" ] && CUDA_VISIBLE_DEVICES=$(( 1 % NGPU )) timeout "$t" python3 -m pytest -q -p no:cacheprovider \
+    -p no:logging "${@:$(( half + 1 ))}" > "$RES/gpu_tests_b.log" 2>&1 &
+  wait; tail -3 "$RES"/gpu_tests_*.log
+  set -- stage
   ;;
 regenerate)
   [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" "$CARRY/.carryB/smol.part2" > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
+  if [ -n "${REGEN_TGZ:-}" ]; then  # an earlier call's regenerated data (same target, same settings)
+    tar xzf "$REGEN_TGZ" -C "$W" && echo "regenerated data from $REGEN_TGZ" && train_all $(( $(left) - 15 ))
+    exit
+  fi
   # the held-out sets first (MT-Bench's 80 two-turn questions answered by the target: data.eval_path), with
   # the quality stage's 256 new tokens: SmolLM2's greedy replies grow repetitive with length (a 3-gram lookup
   # predicts 13% of tokens 0-63 and 75% of tokens 192-255), so 768-token replies read as far easier
   python3 tools/heldout_conversations.py --prompt-set mtbench --out "$W/mtbench.jsonl"
   python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" source="$W/mtbench.jsonl" output="$W/regen_mtbench" \
-    cache_dir="$W/cache" concurrency=80 max_new_tokens=${HELDOUT_TOKENS:-256} max_context=2048 2>&1 | tail -1 | tee -a "$OUT/regenerate.log"
+    cache_dir="$W/cache" concurrency=80 max_new_tokens=${HELDOUT_TOKENS:-256} max_context=2048 2>&1 | tail -1 | tee -a "$RES/regenerate.log"
   # MAXCONV: ShareGPT conversations to answer; at the H200's 11.2K tokens/s about 6,000 fit one call
   timeout -s INT $(( $(left) - 30 )) python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
     source="$W/sg_users.jsonl" output="$W/regen" cache_dir="$W/cache" num_workers=$NGPU concurrency=$(( 256 / NGPU )) \
     max_conversations="${MAXCONV:-6000}" max_new_tokens=768 max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 \
-    | tee "$OUT/regenerate.log"
-  cp "$W/regen/generation.json" "$OUT/" 2>/dev/null
+    | tee -a "$RES/regenerate.log"
+  cp "$W/regen/generation.json" "$RES/" 2>/dev/null
+  tar czf "$OUT/regen_data.tgz" -C "$W" regen regen_mtbench
   grep -q '"complete": true' "$W/regen/generation.json" && train_all $(( $(left) - 15 ))
   ;;
 train)
@@ -111,31 +126,40 @@ warm)
     last=$(ls "$W/eagle3/checkpoints" | grep step_ | sort | tail -1)
     python3 recipes/export.py "$W/eagle3" "$W/eagle3_export" --step "$((10#${last#step_}))" --dtype float32 2>&1 | tail -1
     python3 recipes/convert.py "$W/eagle3_export" "$W/eagle4_init" --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
-      --drafter-preset eagle4 2>&1 | tee "$OUT/convert_report.txt" | tail -3
+      --drafter-preset eagle4 2>&1 | tee "$RES/convert_report.txt" | tail -3
   fi
   train_all $(( $(left) - 10 ))
   ;;
 quality)
-  # equal tokens: every run exported at the last step all of them have a checkpoint of
-  common=$(for name in $NAMES; do ls "$W/$name/checkpoints" | grep step_ | sort; done | sort | uniq -c \
-    | awk -v n="$(echo $NAMES | wc -w)" '$1 == n {print $2}' | tail -1)
-  step=$((10#${common#step_}))
-  args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --depth 5 --concurrency 1,8,64 --max-new-tokens 256)
+  # EQUAL: the runs exported at the last step all of them have a checkpoint of (equal tokens; default every
+  # run); any other run (a warm start) is exported at its own last checkpoint. QSETS (mtbench,humaneval),
+  # QMODES (chain,tree,sampled_tree), QCONC (1,8,64): what bench_quality serves; NUM / NUM_HE prompts.
+  EQUAL=${EQUAL:-$NAMES}
+  common=$(for name in $EQUAL; do ls "$W/$name/checkpoints" | grep step_ | sort; done | sort | uniq -c \
+    | awk -v n="$(echo $EQUAL | wc -w)" '$1 == n {print $2}' | tail -1)
+  args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --depth 5 --concurrency "${QCONC:-1,8,64}"
+        --modes "${QMODES:-chain,tree,sampled_tree}" --max-new-tokens 256)
   for name in $NAMES; do
-    python3 recipes/export.py "$W/$name" "$W/${name}_export" --step "$step" --dtype bfloat16 2>&1 | tail -1
-    cp "$W/${name}_export/config.json" "$OUT/${name}_export_config.json"
+    case " $EQUAL " in *" $name "*) ckpt=$common ;; *) ckpt=$(ls "$W/$name/checkpoints" | grep step_ | sort | tail -1) ;; esac
+    [ -d "$W/${name}_export" ] || python3 recipes/export.py "$W/$name" "$W/${name}_export" --step "$((10#${ckpt#step_}))" \
+      --dtype bfloat16 2>&1 | tail -1
+    cp "$W/${name}_export/config.json" "$RES/${name}_export_config.json"
     args+=(--drafter "$name=$W/${name}_export")
   done
   bench() {  # $1: GPU, $2: prompt set, $3: prompts
     CUDA_VISIBLE_DEVICES=$1 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --num-prompts "$3" \
-      --prompt-set "$2" --out "$OUT/quality_$2.json" > "$OUT/quality_$2.log" 2>&1
+      --prompt-set "$2" --merge --out "$W/quality_$2.json" > "$RES/quality_$2.log" 2>&1
+    cp "$W/quality_$2.json" "$RES/" 2>/dev/null
   }
-  if [ "$NGPU" -ge 2 ]; then
+  sets=${QSETS:-mtbench,humaneval}
+  if [ "$NGPU" -ge 2 ] && [ "$sets" = mtbench,humaneval ]; then
     bench 0 mtbench "${NUM:-40}" & bench 1 humaneval "${NUM:-40}" & wait
   else
-    bench 0 mtbench "${NUM:-40}"; bench 0 humaneval "${NUM_HE:-24}"
+    for set_ in ${sets//,/ }; do
+      if [ "$set_" = humaneval ]; then bench 0 humaneval "${NUM_HE:-24}"; else bench 0 "$set_" "${NUM:-40}"; fi
+    done
   fi
-  tail -30 "$OUT"/quality_*.log
+  tail -30 "$RES"/quality_*.log
   ;;
 *)
   echo "usage: $0 stage|regenerate|train|warm|quality" >&2; exit 2 ;;

@@ -89,8 +89,16 @@ def main() -> None:
     p.add_argument("--num-nodes", type=int, default=16)
     p.add_argument("--head-rank", type=int, default=128, help="drafter scorer rank; 0 = full head")
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--top-kernels", type=int, default=12, help="kernels by time kept per phase in the JSON")
+    p.add_argument("--attn-chunk-rule", choices=["auto", "bandwidth"], default="auto",
+                   help="bandwidth: plan attention splits as if no partials fit in L2 (the rule before one-tile "
+                        "splits for small grids), to compare both in one call")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.attn_chunk_rule == "bandwidth":
+        import torchspec.runtime.paged_attention_triton as kernels
+
+        kernels._l2_bytes = lambda device: 0
     batches = [int(x) for x in args.batch.split(",")]
     engine = build_engine(args.shape, 0.1, max(batches), args.ctx + 256, 0, "cuda", head_rank=args.head_rank,
                           layers=args.layers)
@@ -142,7 +150,7 @@ def main() -> None:
             })
         plain_ms = None
         for name, fn in phases.items():
-            ms, (kernels, top) = graph_ms(fn), kernel_profile(fn)
+            ms, (kernels, top) = graph_ms(fn), kernel_profile(fn, args.top_kernels)
             plain_ms = plain_ms or ms
             rows.append({"batch": b, "phase": name, "ms": ms, "plain_steps": ms / plain_ms, "kernels": kernels,
                          "top_kernels": top})

@@ -24,8 +24,9 @@ One kernel, two modes, grid ``(query blocks, B * kv_heads, splits)``:
 
 *Split mode* (decode, tree verification, drafter forwards: Tq <= ``SPLIT_MAX_TQ``) is
 flash-decoding: ``num_splits`` programs share a row's committed range (each a contiguous chunk of
-at least ``min_chunk`` keys, so the fp32 partials stay small against the KV they summarise; a
-chunk starting past the row's end does nothing), one more program takes the uncommitted keys, and
+at least ``min_chunk`` keys: one key tile when all partials fit in a quarter of L2, the small
+latency-bound grids of verification and drafting, else enough that the fp32 partials stay small
+against the KV they summarise; a chunk starting past the row's end does nothing), one more program takes the uncommitted keys, and
 ``_combine`` merges the partial (output, log-sum-exp) pairs. *Direct mode* (chunked prefill) has
 one program per query block walk both parts and write the output. Grids and split counts depend
 on shapes only, and lengths are read from GPU tensors: the kernels can be CUDA-graph captured.
@@ -170,6 +171,13 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the interpreter: any value exercises the same code
 
 
+@functools.cache
+def _l2_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size
+    return 50 << 20  # the interpreter: an H200's L2
+
+
 def supports(q: torch.Tensor) -> bool:
     """Whether the kernels take this head size (16..256, any; padded to a power of two)."""
     return 16 <= q.shape[-1] <= MAX_HEAD_DIM
@@ -198,8 +206,15 @@ def plan(batch: int, kv_heads: int, tq: int, group: int, head_dim: int, max_keys
         num_splits = triton.cdiv(2 * _num_sms(device), programs)  # a long row alone still fills the machine
         num_splits = max(num_splits, triton.cdiv(max_keys, 4096))  # ... and so does one long row among short ones
         num_splits = min(num_splits, triton.cdiv(max_keys, block_n), 128)
-    # partial outputs (rows x D fp32, written and read) stay <= 1/4 of the KV bytes a chunk reads
-    min_chunk = triton.cdiv(max(block_n, 8 * rows), block_n) * block_n
+    # A split writes rows x D fp32 partials that _combine reads back. When every split's partials fit in
+    # a quarter of L2 they never reach HBM: the grid is small and latency-bound (tree and chain verify,
+    # drafter forwards at low batch), so a split may be one key tile and a short row still spreads over
+    # the machine. Otherwise partials stay <= 1/4 of the KV bytes a chunk reads.
+    partial_bytes = batch * kv_heads * rows * ((num_splits or 1) + 1) * head_dim * 4
+    if split and partial_bytes <= _l2_bytes(device) // 4:
+        min_chunk = block_n
+    else:
+        min_chunk = triton.cdiv(max(block_n, 8 * rows), block_n) * block_n
     return dict(split=split, num_splits=num_splits if split else 1, block_m=block_m, block_n=block_n,
                 block_d=block_d, m_blocks=m_blocks, min_chunk=min_chunk,
                 num_warps=4 if block_m <= 32 else 8, num_stages=3 if split else 2,
