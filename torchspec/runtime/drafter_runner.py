@@ -89,6 +89,18 @@ class DrafterRunner:
         return self.model.target_logits(normed)
 
     @torch.no_grad()
+    def best_candidate(self, normed: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> target ids [...] of the draft argmax, with no log-softmax (a greedy chain keeps
+        every node it drafts, so it needs no score). The token ``top_candidates(normed, 1)`` picks;
+        on an exact tie of two logits argmax takes the lower candidate position, top-k may take the
+        other -- either is a valid draft (verification decides what is emitted)."""
+        head = self.model.lm_head
+        if isinstance(head, EfficientLMHead):
+            ids, logits = head.candidates(normed)
+            return torch.gather(ids, -1, logits.argmax(-1, keepdim=True)).squeeze(-1)
+        return self.logits(normed).argmax(-1)
+
+    @torch.no_grad()
     def top_candidates(self, normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[..., H] -> (log-probabilities [..., k] descending, target ids [..., k]): the draft
         distribution's k most likely tokens, = ``log_softmax(logits(normed)).topk(k)`` without a

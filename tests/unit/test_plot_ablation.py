@@ -1,0 +1,45 @@
+"""tools/plot_ablation.py on synthetic trainer metrics: the curves it reads and the warm start's tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.tool_loader import load_tool
+
+plot_ablation = load_tool("plot_ablation")
+
+
+def _write(bench, name, evals, moe=False):
+    rows = []
+    for step, tokens, acc in evals:
+        row = {"step": step, "train/tokens": tokens, "train/loss": 1.0}
+        if moe:
+            row |= {"train/moe_load_imbalance": 1.5 - step / 1000, "train/moe_load_imbalance_0": 1.4}
+        rows.append(row)
+        rows.append({"step": step, "eval/chain_acceptance_d5": acc, "eval/chain_acceptance_d3": acc / 2})
+    (bench / f"ablation_smollm2_{name}_metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+
+def test_curves_tokens_to_reach_and_the_png(tmp_path):
+    _write(tmp_path, "eagle3", [(100, 1e6, 1.5), (200, 2e6, 1.9), (300, 3e6, 2.1)])
+    _write(tmp_path, "eagle4", [(100, 1e6, 1.6), (200, 2e6, 2.0), (300, 3e6, 2.3)])
+    _write(tmp_path, "moe", [(100, 1e6, 1.4), (200, 2e6, 1.8)], moe=True)
+    _write(tmp_path, "warm", [(10, 1e5, 1.8), (20, 2e5, 2.15), (30, 3e5, 2.3)])
+    runs = plot_ablation.read_runs(tmp_path)
+    assert sorted(runs) == ["eagle3", "eagle4", "moe", "warm"]
+    curve = plot_ablation.held_out_curve(runs["eagle3"], 5)
+    assert curve == [(1e6, 1.5), (2e6, 1.9), (3e6, 2.1)]
+    assert plot_ablation.held_out_curve(runs["eagle3"], 3)[-1] == (3e6, 1.05)
+    warm = plot_ablation.held_out_curve(runs["warm"], 5)
+    assert plot_ablation.tokens_to_reach(warm, curve[-1][1]) == 2e5  # 2.15 >= 2.1 at the second evaluation
+    assert plot_ablation.tokens_to_reach(warm, 9.0) is None
+    out = tmp_path / "a.png"
+    plot_ablation.main(["--bench", str(tmp_path), "--out", str(out)])
+    assert out.stat().st_size > 10_000
+
+
+def test_no_metrics_is_a_one_line_error(tmp_path):
+    with pytest.raises(SystemExit, match="no ablation_smollm2_<run>_metrics.jsonl"):
+        plot_ablation.main(["--bench", str(tmp_path)])

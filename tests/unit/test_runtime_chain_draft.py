@@ -1,0 +1,84 @@
+"""The greedy chain's scoreless draft (``drafting.draft_greedy_chain``) against the dynamic tree it replaces.
+
+``draft_round`` sends greedy chains to ``draft_greedy_chain``, which drafts each depth's argmax without
+the dynamic tree's log-softmax, sorts and gathers. It must return the very tree the k = 1 dynamic
+tree returns (tokens, parents, depths, flags) and leave the drafter's cache as that one does, for a
+dense and an efficient (low-rank + top-k) head, at several depths and batch rows with different
+committed lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.runtime_pair import build_pair
+from torchspec.runtime import drafting
+from torchspec.runtime.drafting import (
+    DraftInputs,
+    SpecConfig,
+    draft_dynamic_tree,
+    draft_greedy_chain,
+    draft_round,
+)
+from torchspec.runtime.loading import load_engine
+from torchspec.runtime.sampling import SamplingParams
+
+TREE_FIELDS = ("tokens", "parents", "depths", "valid", "sampled", "sibling_rank", "dist_index")
+
+
+@pytest.fixture(scope="module", params=[0, 16], ids=["dense_head", "efficient_head"])
+def engine(request, tmp_path_factory, tiny_tokenizer):
+    target, drafter = build_pair(tmp_path_factory.mktemp("chain"), tiny_tokenizer, lm_head_rank=request.param,
+                                 lm_head_topk=32)
+    eng = load_engine(target, drafter, device="cpu", dtype="float32", max_batch=3, max_context=96, page_size=8)
+    assert eng.runner.efficient_head == bool(request.param)
+    return eng
+
+
+def _inputs(engine, seed: int) -> DraftInputs:
+    g = torch.Generator().manual_seed(seed)
+    b, h = 3, engine.runner.hidden_size
+    ctx = torch.tensor([9, 30, 17])
+    bt = engine.block_table[:b].clone()
+    pages = torch.randperm(engine.caches.drafter.num_pages - 1, generator=g)[: b * 6] + 1
+    bt[:, :6] = pages.view(b, 6)
+    return DraftInputs(root=torch.randint(0, 384, (b,), generator=g), normed=torch.randn(b, h, generator=g),
+                       feedback=torch.randn(b, h, generator=g), ctx_len=ctx, block_table=bt,
+                       row_valid=torch.tensor([True, True, False]))
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_scoreless_chain_equals_the_k1_dynamic_tree(engine, depth):
+    spec = SpecConfig(shape="chain", depth=depth)
+    inp = _inputs(engine, depth)
+    cache = engine.caches.drafter
+    before = [t.clone() for t in (cache.k, cache.v)]
+    ref = draft_dynamic_tree(engine.runner, cache, inp, spec, SamplingParams())
+    ref_kv = [t.clone() for t in (cache.k, cache.v)]
+    cache.k.copy_(before[0]), cache.v.copy_(before[1])
+    fast = draft_greedy_chain(engine.runner, cache, inp, spec)
+    for name in TREE_FIELDS:
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    assert torch.equal(cache.k, ref_kv[0]) and torch.equal(cache.v, ref_kv[1])
+    assert fast.tokens.shape == (3, depth + 1) and torch.equal(fast.tokens[:, 0], inp.root)
+    if depth > 1:  # positive control: the cache check sees the feedback a depth is fed (here zero instead)
+        draft_greedy_chain(engine.runner, cache, dataclasses.replace(inp, feedback=inp.feedback * 0), spec)
+        assert not torch.equal(cache.k, ref_kv[0])
+
+
+def test_draft_round_takes_the_scoreless_path_for_greedy_chains_only(engine, monkeypatch):
+    calls = []
+    real = drafting.draft_greedy_chain
+    monkeypatch.setattr(drafting, "draft_greedy_chain", lambda *a: calls.append("chain") or real(*a))
+    inp = _inputs(engine, 0)
+    cache = engine.caches.drafter
+    draft_round(engine.runner, cache, inp, SpecConfig(shape="chain", depth=3), SamplingParams(), None)
+    assert calls == ["chain"]
+    draft_round(engine.runner, cache, inp, SpecConfig(shape="tree", depth=3, topk=2, num_nodes=4), SamplingParams(),
+                None)
+    det = SpecConfig(shape="chain", depth=3, candidates="deterministic")  # T > 0, deterministic candidates
+    draft_round(engine.runner, cache, inp, det, SamplingParams(temperature=0.7), torch.Generator().manual_seed(0))
+    assert calls == ["chain"]
