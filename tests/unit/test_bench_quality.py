@@ -168,9 +168,9 @@ def test_a_runtime_off_by_one_shows_as_disagreeing_rounds(tool, pair, prompt_fil
     """Positive controls: serving's draft RoPE positions one further, or its sliding window one wider, than
     the training unroll's: the tool must see served rounds that the unroll does not predict."""
     if bug == "draft_positions":
-        run = drafting._DraftWriter.run
-        monkeypatch.setattr(drafting._DraftWriter, "run", lambda self, tok, hid, par, depth: run(self, tok, hid, par,
-                                                                                              depth + 1))
+        forward = drafting._DraftWriter.forward
+        monkeypatch.setattr(drafting._DraftWriter, "forward", lambda self, tok, hid, own, positions: forward(
+            self, tok, hid, own, positions + 1))
     else:
         monkeypatch.setattr(DrafterRunner, "window", property(lambda self: self.model.window + 1))
     out = run_tool(tool, pair, prompt_file, tmp_path / "q.json", "--modes", "chain", "--concurrency", "1",

@@ -121,7 +121,7 @@ def serving(model, ids, aux, window_shift: int = 0, position_shift: int = 0) -> 
     # Depths 1..K-1: a chain of draft nodes rooted after n, written as runtime/drafting.py writes them.
     inp = DraftInputs(root=ids[torch.arange(b), LAST + 1], normed=normed, feedback=feedback, ctx_len=LAST + 1,
                       block_table=block_table, row_valid=valid)
-    writer = _DraftWriter(runner, cache, inp, total_slots=K - 1)
+    writer = _DraftWriter(runner, cache, inp, total_slots=K - 1, depth=K)
     runner.drafting = True
     hidden = feedback[:, None]
     for d in range(1, K):

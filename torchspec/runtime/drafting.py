@@ -138,9 +138,11 @@ class _DraftWriter:
     """Runs the drafter on successive frontiers, tracking each frontier node's draft ancestors.
 
     The cache slots of every draft node of the round are looked up once (``slots``, [B, total]);
-    each depth takes the next ``f`` of them, so a depth adds no block-table arithmetic."""
+    each depth takes the next ``f`` of them, so a depth adds no block-table arithmetic; the slot
+    identity (a node sees its own slot) and every depth's RoPE positions are built once too."""
 
-    def __init__(self, runner: DrafterRunner, cache: PagedKVCache, inputs: DraftInputs, total_slots: int):
+    def __init__(self, runner: DrafterRunner, cache: PagedKVCache, inputs: DraftInputs, total_slots: int,
+                 depth: int):
         self.runner, self.cache, self.inp = runner, cache, inputs
         b = inputs.root.shape[0]
         dev = inputs.root.device
@@ -151,25 +153,30 @@ class _DraftWriter:
                                     cache.page_size)
         self.slots = torch.where(inputs.row_valid[:, None], slots, torch.full_like(slots, TRASH_PAGE * cache.page_size))
         self.anchor = inputs.ctx_len - 1  # n: the last committed position
+        idx = torch.arange(max(total_slots, depth), device=dev)
+        self.eye = idx[:total_slots, None] == idx[None, :total_slots]  # [total, total]
+        self.positions = self.anchor[:, None] + idx[None, :depth]  # [B, depth]: depth d at n + d
 
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, parent_rows: torch.Tensor | None,
             depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft nodes tokens [B, F] at ``depth`` (hidden [B, F, H]; parent_rows [B, F] index the
         previous frontier, None at depth 1) -> (normed, feedback) [B, F, H]."""
-        inp = self.inp
         b, f = tokens.shape
-        dev = tokens.device
-        slots = self.written + torch.arange(f, device=dev)  # no index_put of a host scalar: graph-safe
-        own = (torch.arange(self.total, device=dev)[None, :] == slots[:, None]).expand(b, f, self.total)
+        own = self.eye[None, self.written:self.written + f].expand(b, f, self.total)  # each node its own slot
         if parent_rows is not None:
             own = own | torch.gather(self.anc, 1, parent_rows[:, :, None].expand(b, f, self.total))
         self.anc = own
+        return self.forward(tokens, hidden, own, self.positions[:, depth:depth + 1].expand(b, f))
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, own: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter on the next ``f`` draft slots: ``own`` [B, F, total] the draft slots each node
+        sees (ancestors and itself), ``positions`` [B, F] its RoPE positions."""
+        b, f = tokens.shape
         width = self.written + f
-        n = self.anchor
-        meta = AttentionMeta(write_slots=self.slots[:, self.written:width], block_table=inp.block_table,
-                             ctx_len=inp.ctx_len, anchor=n[:, None].expand(b, f), tree_mask=own[:, :, :width],
-                             page_size=self.cache.page_size, window=self.runner.window)
-        positions = (n + depth)[:, None].expand(b, f)
+        meta = AttentionMeta(write_slots=self.slots[:, self.written:width], block_table=self.inp.block_table,
+                             ctx_len=self.inp.ctx_len, anchor=self.anchor[:, None].expand(b, f),
+                             tree_mask=own[:, :, :width], page_size=self.cache.page_size, window=self.runner.window)
         out = self.runner.forward(tokens, hidden, positions, self.cache, meta)
         self.written = width
         return out
@@ -183,7 +190,7 @@ def draft_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInp
     m = spec.num_drafted(params)
     b = inp.root.shape[0]
     dev = inp.root.device
-    writer = _DraftWriter(runner, cache, inp, max(1, (depth - 1) * k))
+    writer = _DraftWriter(runner, cache, inp, max(1, (depth - 1) * k), depth)
     sc, tok = _top(runner, inp.normed, k, params)  # [B, k], sorted
     pool_tok, pool_sc = [tok], [sc]
     pool_parent = [torch.full((b, k), -1, dtype=torch.long, device=dev)]
@@ -237,15 +244,18 @@ def draft_greedy_chain(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInp
     """The greedy chain: ``draft_dynamic_tree`` with k = 1 without its scores. That tree keeps all
     ``depth`` nodes it proposes, in pool order, so no cumulative score, sort or gather decides
     anything: each depth takes the draft argmax (``DrafterRunner.best_candidate``) and feeds its own
-    feedback on. Same tokens (``tests/unit/test_runtime_chain_draft.py``), ~10 fewer kernels a depth."""
+    feedback on, with every depth's attention mask and positions built once before the first. Same
+    tree and drafter cache (``tests/unit/test_runtime_chain_draft.py``), ~15 fewer kernels a depth."""
     depth = spec.depth
     b = inp.root.shape[0]
-    writer = _DraftWriter(runner, cache, inp, max(1, depth - 1))
+    total = max(1, depth - 1)
+    writer = _DraftWriter(runner, cache, inp, total, depth)
     tok = runner.best_candidate(inp.normed)[:, None]  # [B, 1] depth 1
     tokens, hidden = [inp.root[:, None], tok], inp.feedback[:, None]
-    only_parent = torch.zeros(b, 1, dtype=torch.long, device=tok.device)
+    sees = torch.ones(total, total, dtype=torch.bool, device=tok.device).tril()  # slot i (depth i + 1): 0..i
     for d in range(1, depth):
-        normed, hidden = writer.run(tok, hidden, None if d == 1 else only_parent, d)
+        own = sees[None, d - 1: d].expand(b, 1, total)
+        normed, hidden = writer.forward(tok, hidden, own, writer.positions[:, d: d + 1])
         tok = runner.best_candidate(normed)  # [B, 1] depth d + 1
         tokens.append(tok)
     return chain_tree(torch.cat(tokens, 1))
@@ -257,7 +267,7 @@ def draft_sampled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInp
     widths = spec.widths(params)
     b = inp.root.shape[0]
     dev = inp.root.device
-    writer = _DraftWriter(runner, cache, inp, max(1, spec.draft_slots(params)))
+    writer = _DraftWriter(runner, cache, inp, max(1, spec.draft_slots(params)), spec.depth)
     q = process_logits(runner.logits(inp.normed), params)[:, None]  # [B, 1, V] root's distribution
     dists = [q]
     tokens = [inp.root[:, None]]
