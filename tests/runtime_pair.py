@@ -25,7 +25,8 @@ AUX = [1, 2, 3]
 
 def build_pair(root, tokenizer=None, *, flavour: str = "llama", vocab_size: int = 384, mix: float = 0.3,
                seed: int = 0, sliding_window: int | None = 6, lm_head_rank: int = 0, lm_head_topk: int = 16,
-               initializer_range: float = 0.02, noise: float = 0.1, num_layers: int = 6) -> tuple[str, str]:
+               initializer_range: float = 0.02, noise: float = 0.1, num_layers: int = 6, moe: bool = False
+               ) -> tuple[str, str]:
     """Write a target dir and a drafter export under ``root``; return (target_dir, export_dir)."""
     target_dir = build_tiny_target(str(root / f"target_{flavour}"), flavour=flavour, vocab_size=vocab_size,
                                    num_layers=num_layers, tokenizer=tokenizer, seed=seed, tie_word_embeddings=False,
@@ -37,7 +38,8 @@ def build_pair(root, tokenizer=None, *, flavour: str = "llama", vocab_size: int 
     save_file(weights, f"{target_dir}/model.safetensors", metadata={"format": "pt"})
 
     target = TargetDecoder.from_pretrained(target_dir, aux_layer_ids=AUX)
-    cfg = DrafterConfig(sliding_window=sliding_window, lm_head_rank=lm_head_rank, lm_head_topk=lm_head_topk)
+    cfg = DrafterConfig(sliding_window=sliding_window, lm_head_rank=lm_head_rank, lm_head_topk=lm_head_topk, moe=moe,
+                        moe_shared_expert=moe)
     torch.manual_seed(seed + 1)
     drafter = build_drafter(cfg, target.config, AUX)
     drafter.init_from_target(target.embed_tokens_weight, target.lm_head_weight)
@@ -47,7 +49,9 @@ def build_pair(root, tokenizer=None, *, flavour: str = "llama", vocab_size: int 
         drafter.eh_proj.weight[:, :h] = torch.eye(h)
         drafter.eh_proj.weight.add_(noise / h**0.5 * torch.randn(h, 2 * h))
         drafter.layer.self_attn.o_proj.weight.mul_(mix * 5)
-        drafter.layer.mlp.down_proj.weight.mul_(mix * 5)
-    export_dir = str(root / f"drafter_{flavour}_{lm_head_rank}")
+        mlp = drafter.layer.mlp
+        for down in ((mlp.down, mlp.shared_expert.down_proj.weight) if moe else (mlp.down_proj.weight,)):
+            down.mul_(mix * 5)
+    export_dir = str(root / f"drafter_{flavour}_{lm_head_rank}{'_moe' if moe else ''}")
     export_drafter(drafter, export_dir, dtype=torch.float32, target_identity=target_identity(target))
     return target_dir, export_dir

@@ -74,3 +74,16 @@ def test_bf16_divergences_are_near_ties(pair, tiny_tokenizer):
         margin = float(logits[a.token_ids[i]] - logits[b.token_ids[i]]).__abs__()
         print(f"divergence at token {i}: fp32 logit margin {margin:.4f}")
         assert margin < 0.05, "a bf16 divergence must be a near-tie"
+
+
+def test_moe_drafter_is_graphed(tmp_path, tiny_tokenizer):
+    """An MoE drafter's rounds capture as CUDA graphs (no eager fallback) and stay lossless in fp32: its
+    load statistics once made a host tensor per forward, which graph capture refuses."""
+    pair = build_pair(tmp_path, tiny_tokenizer, moe=True)
+    engine = load_engine(*pair, device="cuda", dtype="float32", max_batch=4, max_context=256, page_size=16)
+    ps = prompts(tiny_tokenizer, 5)
+    plain = engine.generate(ps, max_new_tokens=32, ignore_eos=True)
+    for spec in SPECS:
+        out = engine.generate(ps, max_new_tokens=32, spec=spec, ignore_eos=True)
+        assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert len(engine.graphs) >= 3 and not engine.graphs._failed

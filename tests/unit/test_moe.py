@@ -235,3 +235,36 @@ def test_aux_loss_is_one_when_every_token_uses_every_expert():
     _, stats = moe(torch.randn(2, 4, 8))
     assert stats.aux_loss.item() == pytest.approx(1.0, abs=1e-6)
     assert stats.expert_load.tolist() == [8.0, 8.0, 8.0]
+
+
+def test_serving_skips_the_statistics_and_unmasked_stats_match_an_all_ones_mask():
+    """``with_stats=False`` (serving: the layer passes it when no one collects stats) gives the same output
+    and no stats; without a token mask the stats are those of an all-ones mask (no host tensor made)."""
+    torch.manual_seed(0)
+    moe = MoEMLP(8, 16, num_experts=4, top_k=2, shared_expert=True)
+    x = torch.randn(2, 3, 8)
+    out, stats = moe(x)
+    served, none = moe(x, with_stats=False)
+    assert none is None and torch.equal(served, out)
+    _, masked = moe(x, token_mask=torch.ones(2, 3))
+    assert stats.aux_loss.item() == pytest.approx(masked.aux_loss.item(), abs=1e-7)
+    assert torch.equal(stats.expert_load, masked.expert_load)
+
+
+def test_moe_drafter_serves_losslessly_without_collecting_stats(tmp_path, tiny_tokenizer, monkeypatch):
+    """An MoE EAGLE-4 drafter in the engine: greedy speculation equals plain decoding, and serving never
+    computes the load statistics training needs (the old per-forward host tensor broke CUDA graphs)."""
+    from tests.runtime_pair import build_pair
+    from torchspec.runtime.drafting import SpecConfig
+    from torchspec.runtime.loading import load_engine
+
+    target, drafter = build_pair(tmp_path, tiny_tokenizer, moe=True)
+    engine = load_engine(target, drafter, device="cpu", dtype="float32", max_batch=2, max_context=96, page_size=8)
+    assert isinstance(engine.runner.model.layer.mlp, MoEMLP)
+    monkeypatch.setattr(MoEMLP, "_stats", lambda *a: (_ for _ in ()).throw(AssertionError("stats in serving")))
+    ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "one two three")]
+    plain = engine.generate(ps, max_new_tokens=24, ignore_eos=True)
+    for spec in (SpecConfig(shape="chain", depth=4), SpecConfig(shape="tree", depth=3, topk=2, num_nodes=5)):
+        out = engine.generate(ps, max_new_tokens=24, spec=spec, ignore_eos=True)
+        assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+        assert sum(map(sum, (r.accept_lengths for r in out))) / sum(len(r.accept_lengths) for r in out) > 1.05  # drafts accepted

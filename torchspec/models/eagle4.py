@@ -97,7 +97,7 @@ class Eagle4DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         if not self.moe:
             return x + self.mlp(h)
-        out, stats = self.mlp(h, token_mask)
+        out, stats = self.mlp(h, token_mask, with_stats=moe_stats is not None)
         if moe_stats is not None:
             moe_stats.append(stats)  # one MoEStats per TTT step
         return x + out

@@ -182,8 +182,8 @@ class MoEMLP(nn.Module):
         weights = top_p / top_p.sum(-1, keepdim=True) if self.norm_topk_prob else top_p
         return probs, top_idx, weights
 
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, MoEStats]:
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None, with_stats: bool = True
+                ) -> tuple[torch.Tensor, MoEStats | None]:
         b, t, h = x.shape
         flat = x.reshape(b * t, h)  # [N, H]
         probs, top_idx, weights = self.route(flat)
@@ -193,7 +193,7 @@ class MoEMLP(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat).float()
         out = self.output_norm(out.to(picked.dtype)).reshape(b, t, h)
-        return out, self._stats(probs, top_idx, token_mask)
+        return out, self._stats(probs, top_idx, token_mask) if with_stats else None  # serving needs none
 
     def _dense_experts(self, x: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
         """All experts on all tokens, then gather the chosen ones: [N, H] -> [N, k, H]."""
@@ -227,7 +227,7 @@ class MoEMLP(nn.Module):
             chosen, probs = chosen * valid, probs * valid
             num_valid = valid.sum().clamp(min=1)
         else:
-            num_valid = probs.new_tensor(float(max(n, 1)))
+            num_valid = float(max(n, 1))  # a Python number: no host-to-device copy (CUDA graphs)
         expert_load = chosen.sum(0)  # [E]
         f = expert_load / (num_valid * self.top_k)
         p = probs.sum(0) / num_valid
