@@ -86,6 +86,14 @@ def test_incompatible_heads_refused():
         Eagle3Config(**{**SMALL, "num_key_value_heads": 3})
 
 
+def test_transformers_bookkeeping_keys_are_accepted():
+    """Some transformers versions add ``_commit_hash`` to the dict ``from_pretrained`` hands ``from_dict``
+    (seen on the H200 machine: torchspec-convert refused an export): it is not a torchspec key."""
+    cfg = tiny().config.to_dict()
+    cfg["_commit_hash"] = None
+    assert Eagle3Config.from_dict(cfg).draft_vocab_size == VD
+
+
 def test_unknown_and_missing_keys_are_refused(tmp_path):
     tiny().save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

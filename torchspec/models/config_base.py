@@ -28,7 +28,7 @@ _HF_BOOKKEEPING = {
     "decoder_start_token_id", "task_specific_params", "finetuning_task", "output_attentions",
     "torchscript", "pruned_heads", "cross_attention_hidden_size", "add_cross_attention",
     "tf_legacy_loss", "use_bfloat16", "_attn_implementation_autoset", "_attn_implementation",
-    "_experts_implementation", "is_decoder", "output_scores", "return_dict_in_generate",
+    "_experts_implementation", "is_decoder", "output_scores", "return_dict_in_generate", "_commit_hash",
     "target", "torchspec_export_version", "training",  # written by torchspec-export (checked by its own loader)
 }
 
