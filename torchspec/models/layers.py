@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchspec.attend import Attend
-from torchspec.models.lm_head import EfficientLMHead
 from torchspec.targets.fused_ops import fused
 from torchspec.targets.layers import RMSNorm, fuse_linears, silu_mul_fused
 from torchspec.targets.rope import rotate_half
@@ -130,5 +129,3 @@ def fuse_serving_layers(model: nn.Module) -> None:
             module.fuse()  # once: a second call finds the fused projection
         elif isinstance(module, RMSNorm):
             module.fused = True
-        elif isinstance(module, EfficientLMHead):
-            module.fast_select = True  # candidates select with the Triton top-k on CUDA

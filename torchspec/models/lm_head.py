@@ -76,8 +76,6 @@ class EfficientLMHead(nn.Module):
     ``forward`` returns the full logits, so the module drops in where an ``nn.Linear`` head was.
     """
 
-    fast_select = False  # serving's fusion turns it on (models/layers.py fuse_serving_layers)
-
     def __init__(self, hidden_size: int, vocab_size: int, rank: int = 128, topk: int = 128,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
@@ -116,13 +114,7 @@ class EfficientLMHead(nn.Module):
     def candidates(self, h: torch.Tensor, topk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Inference path: [..., H] -> (ids [..., k] unordered, exact logits W[ids] @ h [..., k])."""
         k = self.topk if topk is None else topk
-        scores = self.lowrank_scores(h)  # [..., V]
-        ids = None
-        if self.fast_select and scores.is_cuda:  # serving: 2 Triton launches, not torch's ~11 (runtime/select_triton.py)
-            from torchspec.runtime.select_triton import supports, topk_indices_triton
-            ids = topk_indices_triton(scores, k) if supports(scores, k) else None
-        if ids is None:
-            ids = scores.topk(k, dim=-1, sorted=False).indices  # [..., k]
+        ids = self.lowrank_scores(h).topk(k, dim=-1, sorted=False).indices  # [..., k]
         rows = F.embedding(ids, self.weight)  # [..., k, H]: gather k rows of W per token
         logits = torch.matmul(rows, h.unsqueeze(-1)).squeeze(-1)  # [..., k]
         return ids, logits
