@@ -26,6 +26,10 @@
 # LR / WARMUP: train.lr / train.warmup_steps (5e-4 / 200). Results gather in $W/res and come back as one
 # $OUT/res_<stage>.tgz per call ($OUT returns at most 8 files); regenerate also returns the regenerated data
 # ($OUT/regen_data.tgz: carry it next time and skip the regeneration with REGEN_TGZ=<its path>).
+# Measured on the H200 (2026-12-01): six runs started together need ~95 s of setup each call (target load and
+# kernel compiles on one shared GPU) before their first step, and a run killed at the limit loses the
+# checkpoint it was writing: give training one long call, SAVE_EVERY a few minutes of steps, and plan
+# RUNS x tokens from ~75K tokens/s summed over the runs (six side by side on one H200).
 # Measured on one H200 (docs/results.md, "Quality"): regeneration at 11.2K generated tokens/s (c=256), so a
 # whole ShareGPT pass needs more than one call; a stopped regeneration resumes from its finished shards.
 # The device lacks gguf: carry its wheel in .whl (pip download gguf). Training's held-out set is MT-Bench
@@ -124,8 +128,8 @@ warm)
   # (the warm run's held-out curve against eagle3's final acceptance: the tokens the warm start needs)
   if [ ! -f "$W/eagle4_init/config.json" ]; then
     last=$(ls "$W/eagle3/checkpoints" | grep step_ | sort | tail -1)
-    python3 recipes/export.py "$W/eagle3" "$W/eagle3_export" --step "$((10#${last#step_}))" --dtype float32 2>&1 | tail -1
-    python3 recipes/convert.py "$W/eagle3_export" "$W/eagle4_init" --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
+    python3 recipes/export.py "$W/eagle3" "$W/eagle3_warm_source" --step "$((10#${last#step_}))" --dtype float32 2>&1 | tail -1
+    python3 recipes/convert.py "$W/eagle3_warm_source" "$W/eagle4_init" --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
       --drafter-preset eagle4 2>&1 | tee "$RES/convert_report.txt" | tail -3
   fi
   train_all $(( $(left) - 10 ))
