@@ -56,14 +56,15 @@ NAMES=$(for r in $RUNS; do printf '%s ' "${r%%:*}"; done)
 train_all() {  # $1: seconds; resumes every run from its latest checkpoint
   local limit=$1 common i=0
   [ "$limit" -gt 90 ] || { echo "no time left to train ($limit s)"; return; }
+  local threads=$(( $(nproc) / $(echo $RUNS | wc -w) ))  # CPU threads per run: no oversubscription
   common="target.path=$W/smollm2.gguf target.cache_dir=$W/cache data=jsonl data.path=$W/regen
     data.max_length=2048 data.pack=true data.eval_size=64 train=gpu train.micro_batch_size=8 train.grad_accum=1
     train.lr=${LR:-5e-4} train.warmup_steps=${WARMUP:-200} train.max_steps=$STEPS train.log_every=${LOG_EVERY:-25} train.save_every=${SAVE_EVERY:-250}
-    train.keep_checkpoints=40 train.eval_every=${EVAL_EVERY:-250} train.report_to=none train.async_checkpoint=true
+    train.keep_checkpoints=40 train.eval_every=${EVAL_EVERY:-250} train.report_to=none train.async_checkpoint=true train.num_threads=$threads
     data.eval_path=$W/regen_mtbench data.eval_size=80"
   for run in $RUNS; do
     name=${run%%:*} overrides=${run#*:}
-    CUDA_VISIBLE_DEVICES=$(( i % NGPU )) timeout -s KILL "$limit" python3 recipes/train.py name="$name" \
+    OMP_NUM_THREADS=$threads CUDA_VISIBLE_DEVICES=$(( i % NGPU )) timeout -s KILL "$limit" python3 recipes/train.py name="$name" \
       train.output_dir="$W/$name" ${overrides//,/ } $common 2>&1 | grep -v "it/s\]" >> "$W/train_$name.log" &
     i=$(( i + 1 ))
   done

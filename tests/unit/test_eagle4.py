@@ -78,6 +78,22 @@ def test_built_from_target_config_and_initialised_from_target(tiny_target_dir):
     assert drafter.config.aux_layer_ids == [1, 3, 5]
 
 
+def test_scorer_svd_runs_where_the_targets_head_is(tiny_target_dir, monkeypatch):
+    """Training builds the drafter on the CPU beside a GPU target: the efficient head's SVD must run on the
+    target head's device (a CPU SVD per run cost ~75 s of setup with six runs on one machine)."""
+    from torchspec.models.lm_head import EfficientLMHead
+
+    target = TargetDecoder.from_pretrained(tiny_target_dir, aux_layer_ids=[1, 3, 5])
+    drafter = build_drafter(DrafterConfig(lm_head_rank=8, lm_head_topk=16), target.config, target.aux_layer_ids)
+    seen = []
+    monkeypatch.setattr(EfficientLMHead, "init_scorer", lambda self, device=None, **kw: seen.append(device))
+    head = target.lm_head_weight.to("meta")  # stands for a head on another device than the drafter's
+    drafter.init_from_target(target.embed_tokens_weight, target.lm_head_weight)
+    drafter.init_from_target(target.embed_tokens_weight, head, init_lm_head=False)
+    drafter.init_from_target(target.embed_tokens_weight, head, init_lm_head=False, svd_device="cpu")
+    assert seen == [torch.device("cpu"), torch.device("meta"), "cpu"]
+
+
 def test_interface_full_vocabulary_hooks_do_nothing():
     """EAGLE-4 drafts over the whole target vocabulary: no mapping to build, save or restrict to."""
     model = Eagle4Drafter(Eagle4Config(vocab_size=37, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,

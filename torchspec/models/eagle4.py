@@ -202,9 +202,11 @@ class Eagle4Drafter(Drafter):
     def init_from_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                          init_lm_head: bool = True, svd_device: str | None = None) -> None:
         """Copy the target's embedding (frozen) and, if asked, its LM head as the drafter head's start;
-        an efficient head's low-rank scorer starts as the truncated SVD of the (copied) full head."""
+        an efficient head's low-rank scorer starts as the truncated SVD of the (copied) full head, run
+        where the target's head is unless ``svd_device`` says otherwise (training builds the drafter on
+        the CPU beside a GPU target: six runs sharing a GPU machine's cores spent ~75 s each in a CPU SVD)."""
         self.embed_tokens.weight.copy_(embed_weight)
         if init_lm_head:
             self.lm_head.weight.copy_(lm_head_weight)
         if isinstance(self.lm_head, EfficientLMHead):
-            self.lm_head.init_scorer(device=svd_device)
+            self.lm_head.init_scorer(device=svd_device or lm_head_weight.device)
