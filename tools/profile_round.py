@@ -9,7 +9,7 @@ Builds the controlled-acceptance pair of ``tools/bench_runtime_efficiency.py`` a
     draft      ``drafting.draft_round``: every drafter forward, head and top-k, the tree bookkeeping
     verify     the target forward over the drafted tree + the argmax of every node
     catch_up   the drafter's step-0 forward over the D + 1 committed positions
-    head       the drafter head + log-softmax + top-k of one depth's frontier (inside ``draft``)
+    head       one depth's head inside ``draft``: the greedy chain's scoreless argmax, the tree's log-softmax + top-k
 
 Each graph is replayed 50 times (median, CUDA events) and its eager run is profiled once for the
 kernel count and the top kernels by time (in the JSON). ``round - (draft + verify + catch_up)`` is the acceptance, compaction and glue.
@@ -70,14 +70,59 @@ def kernel_profile(fn, top: int = 12) -> tuple[int, list[dict]]:
     return len(kernels), [{"name": k, "ms": v[0], "count": v[1]} for k, v in ranked]
 
 
+def batch_phases(engine, args, b: int, params) -> dict:
+    """The phases of a round at batch ``b`` (plain step, then per shape: round, draft, verify, catch-up,
+    head), each a no-argument callable over the same live-looking inputs."""
+    from torchspec.runtime.drafting import DraftInputs, SpecConfig, _top, draft_round
+    from torchspec.runtime.paged_kv import build_attention_meta
+    from torchspec.runtime.steps import catch_up_drafter, plain_step, speculate, target_attend
+
+    dev, vocab = torch.device("cuda"), engine.decoder.vocab_size
+    runner, caches = engine.runner, engine.caches
+    aux_ids = tuple(runner.config.aux_layer_ids)
+    bt = engine.block_table[:b]
+    ctx = torch.full((b,), args.ctx, dtype=torch.long, device=dev)
+    valid = torch.ones(b, dtype=torch.bool, device=dev)
+    root = torch.randint(0, vocab, (b,), device=dev)
+    inp = DraftInputs(root=root, normed=engine.normed[:b], feedback=engine.feedback[:b], ctx_len=ctx,
+                      block_table=bt, row_valid=valid)
+    phases = {"plain": lambda: plain_step(engine.decoder, caches, bt, ctx, root, valid, params, None)}
+    for shape in args.spec.split(","):
+        spec = SpecConfig(shape=shape, depth=args.depth, topk=args.topk, num_nodes=args.num_nodes)
+        tree = draft_round(runner, caches.drafter, inp, spec, params, None)
+
+        def verify(tree=tree, spec=spec):
+            meta = build_attention_meta(bt, ctx, tree.attention_mask(spec.depth), caches.page_size, row_valid=valid)
+            out = engine.decoder(tree.tokens, ctx[:, None] + tree.depths, target_attend(caches, meta, None, valid),
+                                 capture_layers=aux_ids)
+            return engine.decoder.argmax(out.hidden), out.aux
+
+        _, aux = verify()
+        width = spec.depth + 1
+        emitted = torch.randint(0, vocab, (b, width), device=dev)
+        aux_path = [a[:, :width].contiguous() for a in aux]
+        last = torch.full((b,), spec.depth, dtype=torch.long, device=dev)
+        k = 1 if shape == "chain" else spec.topk
+        frontier = engine.normed[:b, None].expand(b, k, -1).contiguous()
+        # the head one depth runs: the greedy chain's scoreless argmax, the tree's top-k with scores
+        head = ((lambda frontier=frontier: runner.best_candidate(frontier)) if shape == "chain" else
+                (lambda frontier=frontier, k=k: _top(runner, frontier, k, params)))
+        phases.update({
+            f"{shape}.round": lambda spec=spec: speculate(engine.decoder, runner, caches, inp, spec, params, None),
+            f"{shape}.draft": lambda spec=spec: draft_round(runner, caches.drafter, inp, spec, params, None),
+            f"{shape}.verify": verify,
+            f"{shape}.catch_up": lambda aux_path=aux_path, emitted=emitted, last=last: catch_up_drafter(
+                runner, caches, bt, ctx, emitted, aux_path, last, valid),
+            f"{shape}.head": head,
+        })
+    return phases
+
+
 @torch.no_grad()
 def main() -> None:
     from bench_runtime_efficiency import build_engine, set_noise
 
-    from torchspec.runtime.drafting import DraftInputs, SpecConfig, _top, draft_round
-    from torchspec.runtime.paged_kv import build_attention_meta
     from torchspec.runtime.sampling import SamplingParams
-    from torchspec.runtime.steps import catch_up_drafter, plain_step, speculate, target_attend
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-8b")
@@ -103,7 +148,6 @@ def main() -> None:
     engine = build_engine(args.shape, 0.1, max(batches), args.ctx + 256, 0, "cuda", head_rank=args.head_rank,
                           layers=args.layers)
     set_noise(engine, 0.0)
-    dev = torch.device("cuda")
     params = SamplingParams()
     vocab = engine.decoder.vocab_size
     prompts = torch.randint(0, vocab, (max(batches), 16)).tolist()
@@ -114,40 +158,7 @@ def main() -> None:
     rows = []
     print(f"{torch.cuda.get_device_name()}  shape {args.shape}  ctx {args.ctx}  head rank {args.head_rank}")
     for b in batches:
-        bt = engine.block_table[:b]
-        ctx = torch.full((b,), args.ctx, dtype=torch.long, device=dev)
-        valid = torch.ones(b, dtype=torch.bool, device=dev)
-        root = torch.randint(0, vocab, (b,), device=dev)
-        inp = DraftInputs(root=root, normed=engine.normed[:b], feedback=engine.feedback[:b], ctx_len=ctx,
-                          block_table=bt, row_valid=valid)
-        phases = {"plain": lambda: plain_step(engine.decoder, engine.caches, bt, ctx, root, valid, params, None)}
-        for shape in args.spec.split(","):
-            spec = SpecConfig(shape=shape, depth=args.depth, topk=args.topk, num_nodes=args.num_nodes)
-            runner, caches = engine.runner, engine.caches
-            tree = draft_round(runner, caches.drafter, inp, spec, params, None)
-            aux_ids = tuple(runner.config.aux_layer_ids)
-
-            def verify(tree=tree, spec=spec):
-                meta = build_attention_meta(bt, ctx, tree.attention_mask(spec.depth), caches.page_size, row_valid=valid)
-                out = engine.decoder(tree.tokens, ctx[:, None] + tree.depths, target_attend(caches, meta, None, valid),
-                                     capture_layers=aux_ids)
-                return engine.decoder.argmax(out.hidden), out.aux
-
-            _, aux = verify()
-            width = spec.depth + 1
-            emitted = torch.randint(0, vocab, (b, width), device=dev)
-            aux_path = [a[:, :width].contiguous() for a in aux]
-            last = torch.full((b,), spec.depth, dtype=torch.long, device=dev)
-            k = 1 if shape == "chain" else spec.topk
-            frontier = engine.normed[:b, None].expand(b, k, -1).contiguous()
-            phases.update({
-                f"{shape}.round": lambda spec=spec: speculate(engine.decoder, runner, caches, inp, spec, params, None),
-                f"{shape}.draft": lambda spec=spec: draft_round(runner, caches.drafter, inp, spec, params, None),
-                f"{shape}.verify": verify,
-                f"{shape}.catch_up": lambda aux_path=aux_path, emitted=emitted, last=last: catch_up_drafter(
-                    runner, caches, bt, ctx, emitted, aux_path, last, valid),
-                f"{shape}.head": lambda frontier=frontier, k=k: _top(runner, frontier, k, params),
-            })
+        phases = batch_phases(engine, args, b, params)
         plain_ms = None
         for name, fn in phases.items():
             ms, (kernels, top) = graph_ms(fn), kernel_profile(fn, args.top_kernels)
