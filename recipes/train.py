@@ -31,12 +31,21 @@ from torchspec.config import Config, validate_against_target
 from torchspec.data import Example, ResumableBatchSampler, build_datasets, collate, shard_for_rank
 from torchspec.data.packing import pack_examples
 from torchspec.data.prepared import is_prepared_dir, load_train_rows, read_manifest
-from torchspec.distributed import DistInfo, barrier, build_mesh, init_distributed, is_rank0, seed_everything
+from torchspec.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    barrier,
+    build_mesh,
+    init_distributed,
+    is_rank0,
+    seed_everything,
+)
 from torchspec.export.serving import export_drafter, is_export, load_exported_drafter, target_identity
 from torchspec.models import build_drafter
 from torchspec.targets import TargetDecoder, load_target_config, load_tokenizer, resolve_target_path
 from torchspec.train.checkpoint import (
     find_resume_checkpoint,
+    finish_checkpoint,
     load_checkpoint,
     publish_if_written,
     save_checkpoint,
@@ -48,6 +57,7 @@ from torchspec.train.optim import resolve_precision, resolve_target_dtype, warmu
 from torchspec.train.run_dir import (
     DONE,
     LOG_FORMAT,
+    WallClockLimit,
     check_output_dir,
     claim_output_dir,
     finished_run,
@@ -245,14 +255,18 @@ def train(raw: DictConfig) -> None:
                            cfg.name, resume_step=step if resume_from else None, enabled=rank0)
     log.info("setup took %.1fs", time.time() - started)
 
+    limit = WallClockLimit(started, t.max_wall_s)
+
     def run_eval() -> dict[str, float]:
+        began = time.time()
         metrics = evaluate(target, engine, held_out, opts, tp_group, held_out_captures)
+        limit.eval_s = time.time() - began
         logger.log(step, metrics)
         log.info("step %d held-out: acceptance length %.3f, acc_0 %.3f, loss %.4f",
                  step, metrics["eval/acceptance_length"], metrics["eval/acc_0"], metrics["eval/loss"])
         return metrics
 
-    def save(final_eval: dict[str, float] | None = None) -> None:
+    def save(final_eval: dict[str, float] | None = None, sync: bool = False) -> None:
         extra = {"name": cfg.name, "aux_layer_ids": aux_ids, "train_tokens": trained_tokens}
         mapping = engine.drafter.vocab_mapping()  # EAGLE-3's (d2t, t2d); None for a full-vocabulary head
         if mapping is not None:
@@ -260,8 +274,17 @@ def train(raw: DictConfig) -> None:
         if final_eval is not None:  # already in metrics.jsonl: a resume from this checkpoint must not log it again
             extra["final_eval"] = {k: float(v) for k, v in final_eval.items()}
         # The final checkpoint is written synchronously: the export and DONE come only after it is published.
+        began = time.time()
         save_checkpoint(out_dir, step, engine, {**sampler.state_dict(), "batch_size": global_batch}, extra,
-                        t.keep_checkpoints, async_save=t.async_checkpoint and final_eval is None)
+                        t.keep_checkpoints, async_save=t.async_checkpoint and final_eval is None and not sync)
+        if sync or not t.async_checkpoint:
+            limit.save_s = time.time() - began
+
+    def out_of_time() -> bool:
+        """train.max_wall_s, decided alike on every rank (any rank's clock can stop the run)."""
+        eval_next = bool(t.eval_every) and step // t.eval_every != (step + t.log_every) // t.eval_every
+        stop = torch.tensor([float(limit.should_stop(time.time(), eval_next))], device=info.device)
+        return bool(all_reduce_sum(stop).item() > 0)
 
     start_step = step  # >= max_steps: resumed from the final checkpoint, the end of the run is what is left
     if rank0 and step < t.max_steps:
@@ -281,6 +304,7 @@ def train(raw: DictConfig) -> None:
             stats.all_reduce()
             metrics = stats.summary("train")
             trained_tokens += int(stats.tokens) * info.world_size
+            limit.interval_s = time.time() - tick
             metrics.update({"train/lr": engine.lr, "train/grad_norm": float(grad_norm),
                             "train/tokens_per_s": float(stats.tokens) * info.world_size / (time.time() - tick),
                             "train/tokens": trained_tokens, "train/epoch": sampler.epoch})
@@ -295,6 +319,16 @@ def train(raw: DictConfig) -> None:
             save()
         if step == crash_after:  # test hook: die like a killed job, with no cleanup at all
             os._exit(17)
+        if t.max_wall_s and step % t.log_every == 0 and step < t.max_steps and out_of_time():
+            if not (t.save_every and step % t.save_every == 0):  # this step has no checkpoint yet
+                save(sync=True)
+            finish_checkpoint()  # publishes an asynchronous save of this step once written
+            bar.close()
+            logger.close()
+            log.info("train.max_wall_s=%g: stopped at step %d after %.0f s with its checkpoint in %s; rerun the "
+                     "same command to resume", t.max_wall_s, step, time.time() - started, out_dir / "checkpoints")
+            barrier()
+            return
     bar.close()
 
     # The end, in an order a kill at any moment can be resumed from without repeating a line of

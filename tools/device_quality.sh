@@ -28,7 +28,8 @@
 # ($OUT/regen_data.tgz: carry it next time and skip the regeneration with REGEN_TGZ=<its path>).
 # Measured on the H200 (2026-12-01): six runs started together need ~95 s of setup each call (target load and
 # kernel compiles on one shared GPU) before their first step, and a run killed at the limit loses the
-# checkpoint it was writing: give training one long call, SAVE_EVERY a few minutes of steps, and plan
+# checkpoint it was writing (train_all now passes train.max_wall_s, so runs stop at a log step with a
+# checkpoint before the kill): give training one long call, SAVE_EVERY a few minutes of steps, and plan
 # RUNS x tokens from ~75K tokens/s summed over the runs (six side by side on one H200).
 # Measured on one H200 (docs/results.md, "Quality"): regeneration at 11.2K generated tokens/s (c=256), so a
 # whole ShareGPT pass needs more than one call; a stopped regeneration resumes from its finished shards.
@@ -61,6 +62,7 @@ train_all() {  # $1: seconds; resumes every run from its latest checkpoint
     data.max_length=2048 data.pack=true data.eval_size=64 train=gpu train.micro_batch_size=8 train.grad_accum=1
     train.lr=${LR:-5e-4} train.warmup_steps=${WARMUP:-200} train.max_steps=$STEPS train.log_every=${LOG_EVERY:-25} train.save_every=${SAVE_EVERY:-250}
     train.keep_checkpoints=40 train.eval_every=${EVAL_EVERY:-250} train.report_to=none train.async_checkpoint=true train.num_threads=$threads
+    train.max_wall_s=$(( limit - 20 ))
     data.eval_path=$W/regen_mtbench data.eval_size=80"
   for run in $RUNS; do
     name=${run%%:*} overrides=${run#*:}

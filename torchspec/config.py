@@ -127,6 +127,9 @@ class TrainConfig:
     report_to: str = "wandb"  # wandb (offline unless WANDB_MODE says otherwise) | none
     wandb_project: str = "torchspec"
     num_threads: int | None = None  # torch CPU threads; null: torch's default
+    # Stop cleanly before this many seconds since start (a job's time limit): at a log step, when the next
+    # interval would not fit, a synchronous checkpoint and exit 0 without DONE; rerun to resume. null: none.
+    max_wall_s: float | None = None
     plot: bool = True
 
 
@@ -221,6 +224,8 @@ def validate_config(cfg: Config) -> None:
         t.warmup_steps = t.max_steps
     if len(t.betas) != 2:
         raise ValueError(f"train.betas={t.betas} must hold two numbers (AdamW beta1, beta2).")
+    if t.max_wall_s is not None and not t.max_wall_s > 0:
+        raise ValueError(f"train.max_wall_s={t.max_wall_s} must be > 0 seconds, or null for no limit.")
     if t.save_every and t.save_every % t.log_every:
         raise ValueError(
             f"train.save_every={t.save_every} must be a multiple of train.log_every={t.log_every} so a resumed "

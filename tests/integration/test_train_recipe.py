@@ -68,6 +68,30 @@ def test_loss_falls_and_resume_is_exact(tmp_path, tiny_llama_dir, tiny_chat_json
                 assert a[key] == b[key], (a["step"], key, a[key], b[key])
 
 
+def test_wall_clock_limit_stops_at_a_log_step_with_a_checkpoint_and_resumes_exactly(tmp_path, tiny_llama_dir,
+                                                                                     tiny_chat_jsonl):
+    """train.max_wall_s shorter than the setup (~0.1 s here): the run trains to its first log step (log_every=2), writes that
+    step's checkpoint synchronously (save_every=4 has none there) and exits 0 without DONE or export; the
+    rerun resumes and logs exactly what an uninterrupted run logs."""
+    args = ("train.log_every=2", "train.async_checkpoint=true")
+    full = run_recipe(tmp_path / "full", tiny_llama_dir, tiny_chat_jsonl, *args)
+    assert full.returncode == 0, full.stderr[-3000:]
+    stopped = run_recipe(tmp_path / "run", tiny_llama_dir, tiny_chat_jsonl, *args, "train.max_wall_s=0.01")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "train.max_wall_s=0.01: stopped at step 2" in stopped.stdout + stopped.stderr
+    run = tmp_path / "run"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert not (run / "DONE").exists() and not (run / "drafter").exists()
+    resumed = run_recipe(run, tiny_llama_dir, tiny_chat_jsonl, *args)  # the limit is operational: dropped here
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr and (run / "DONE").exists()
+    records, again = read(tmp_path / "full" / "metrics.jsonl"), read(run / "metrics.jsonl")
+    assert [r["step"] for r in again] == [r["step"] for r in records]
+    for a, b in zip(records, again):
+        assert {k: v for k, v in a.items() if k != "train/tokens_per_s"} == \
+            {k: v for k, v in b.items() if k != "train/tokens_per_s"}, a["step"]
+
+
 def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
     return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
             if p.is_file()}

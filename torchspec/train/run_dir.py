@@ -6,6 +6,8 @@
 * ``claim_output_dir`` (rank 0, once every check passed): create it, write ``config.yaml``.
 * ``DONE`` (last of all, after the final checkpoint and the serving export): the completion marker;
   ``finished_run`` turns a rerun of a finished run into one line and no work.
+* ``WallClockLimit`` (``train.max_wall_s``): whether a run stops at this log step so that its checkpoint
+  is written before the job's time limit, instead of being killed mid-interval (or mid-save).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # as Hydra'
 OPERATIONAL_KEYS = {
     "train.output_dir", "train.max_steps", "train.resume", "train.num_threads", "train.report_to",
     "train.wandb_project", "train.plot", "train.eval_every", "train.save_every", "train.keep_checkpoints",
-    "parallel.dist_timeout_minutes", "target.cache_dir",
+    "parallel.dist_timeout_minutes", "target.cache_dir", "train.max_wall_s",
 }
 
 
@@ -111,3 +113,24 @@ def finished_run(cfg: Config) -> str | None:
     return (f"run in {cfg.train.output_dir} already finished at step {record['step']} (held-out acceptance "
             f"{record['eval']['eval/acceptance_length']:.3f}); nothing to do — raise train.max_steps to continue "
             f"or pick a new train.output_dir")
+
+
+class WallClockLimit:
+    """``train.max_wall_s``: stop at a log step (the only steps a resume reproduces exactly) when the next
+    interval would not end in time. The estimate is the last interval's duration, plus the last held-out
+    evaluation when one falls in the next interval, plus the last synchronous save, all with 25% margin;
+    before any save was timed a save is assumed to take as long as the interval."""
+
+    MARGIN = 1.25
+
+    def __init__(self, started: float, max_wall_s: float | None):
+        self.deadline = None if max_wall_s is None else started + max_wall_s
+        self.interval_s = self.eval_s = 0.0
+        self.save_s: float | None = None
+
+    def should_stop(self, now: float, eval_next: bool) -> bool:
+        if self.deadline is None:
+            return False
+        save = self.interval_s if self.save_s is None else self.save_s
+        need = self.interval_s + (self.eval_s if eval_next else 0.0) + save
+        return now + self.MARGIN * need > self.deadline
