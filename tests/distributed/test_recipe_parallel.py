@@ -72,6 +72,15 @@ def test_two_process_kill_and_resume(tmp_path, tiny_llama_dir, tiny_chat_jsonl):
     resumed = run(tmp_path / "resumed", tiny_llama_dir, tiny_chat_jsonl, 2, *args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert losses(tmp_path / "full") == losses(tmp_path / "resumed")
+    # train.max_wall_s below the setup time: both ranks agree to stop at step 1 (the first log step) with a
+    # synchronous FSDP2 checkpoint there (save_every=2 has none), exit 0; the rerun resumes exactly.
+    stopped = run(tmp_path / "timed", tiny_llama_dir, tiny_chat_jsonl, 2, *args, "train.max_wall_s=0.01")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert (tmp_path / "timed" / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    assert not (tmp_path / "timed" / "DONE").exists()
+    again = run(tmp_path / "timed", tiny_llama_dir, tiny_chat_jsonl, 2, *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert losses(tmp_path / "full") == losses(tmp_path / "timed")
 
 
 def test_tp_not_dividing_world_is_refused(tmp_path, tiny_llama_dir, tiny_chat_jsonl):
