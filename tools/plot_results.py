@@ -280,6 +280,28 @@ def plot_repetition(sources: dict[str, Path], out: Path) -> None:
     plt.close(fig)
 
 
+def plot_split_rule(sources: dict[str, Path], out: Path) -> None:
+    """Issue 13: one layer's paged attention under the small-grid split rule against the bandwidth rule
+    alone, per shape, mode, batch and context (tools/bench_attention_paged.py --impls kernel kernel_bw)."""
+    fig, axes = plt.subplots(1, len(sources), figsize=(6 * len(sources), 3.8), squeeze=False)
+    for ax, (title, src) in zip(axes[0], sources.items()):
+        by: dict[tuple, dict[str, float]] = {}
+        for r in json.loads(src.read_text())["rows"]:
+            by.setdefault((r["mode"], r["batch"], r["ctx"]), {})[r["impl"]] = r["ms"] * 1e3
+        cases = [k for k, v in by.items() if {"kernel", "kernel_bw"} <= set(v)]
+        x = range(len(cases))
+        ax.bar([i - 0.2 for i in x], [by[c]["kernel_bw"] for c in cases], 0.4, label="before: >= 8 x rows keys a split")
+        ax.bar([i + 0.2 for i in x], [by[c]["kernel"] for c in cases], 0.4, label="now: one tile a split when partials fit L2/4")
+        ax.set_xticks(list(x), [f"{m}\nb={b} {c // 1024}K" if c >= 1024 else f"{m}\nb={b} {c}" for m, b, c in cases],
+                      fontsize=6)
+        ax.set_ylabel("us per layer call (CUDA graph)")
+        ax.set_title(f"{title} (H200, bf16)", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     bench, img = ROOT / "docs" / "bench", ROOT / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -310,4 +332,8 @@ if __name__ == "__main__":
                   for name in ("MT-Bench", "HumanEval")}
     if all(p.exists() for p in repetition.values()):
         plot_repetition(repetition, img / "response_repetition.png")
+    split_rule = {"SmolLM2-135M attention": bench / "attention_paged_split_rule_smollm2_h200.json",
+                  "Qwen3-8B attention": bench / "attention_paged_split_rule_qwen3_8b_h200.json"}
+    if all(p.exists() for p in split_rule.values()):
+        plot_split_rule(split_rule, img / "attention_split_rule.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))

@@ -43,3 +43,18 @@ def test_curves_tokens_to_reach_and_the_png(tmp_path):
 def test_no_metrics_is_a_one_line_error(tmp_path):
     with pytest.raises(SystemExit, match="no ablation_smollm2_<run>_metrics.jsonl"):
         plot_ablation.main(["--bench", str(tmp_path)])
+
+
+def test_split_rule_plot_reads_bench_attention_rows(tmp_path):
+    """tools/plot_results.plot_split_rule: kernel and kernel_bw rows of a bench_attention_paged JSON, one bar
+    pair per case; a case measured under one rule only is left out."""
+    plot_results = load_tool("plot_results")
+    rows = [{"mode": m, "batch": b, "ctx": c, "impl": i, "ms": ms} for m, b, c, i, ms in [
+        ("tree16", 1, 512, "kernel", 0.008), ("tree16", 1, 512, "kernel_bw", 0.019),
+        ("decode", 8, 2048, "kernel", 0.011), ("decode", 8, 2048, "kernel_bw", 0.011),
+        ("decode", 64, 2048, "kernel", 0.047)]]
+    src = tmp_path / "a.json"
+    src.write_text(json.dumps({"rows": rows}))
+    out = tmp_path / "split.png"
+    plot_results.plot_split_rule({"tiny": src}, out)
+    assert out.stat().st_size > 10_000
