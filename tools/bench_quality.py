@@ -20,7 +20,7 @@ For one target and one or more drafter exports, on held-out prompt sets:
    and the T = 1 sampled tree (``sampled_tree``; ``--branching``) at each ``--concurrency``, against
    plain decoding of the same decoder at the same concurrency and temperature (``recipes.bench.measure``:
    decode tokens/s and tokens committed per round, bonus included; a warm-up run first).
-4. Rows to ``--out`` (JSON, atomic; device, args), each with at least ``drafter, train_tokens,
+4. Rows to ``--out`` (JSON, atomic, rewritten after each drafter; device, args), each with at least ``drafter, train_tokens,
    prompt_set, mode, temperature, concurrency, simulated_acceptance, served_acceptance, speedup``,
    ``served_vs_simulated`` (served / simulated) and ``depth``, and the diagnostics below. A greedy
    chain row whose ratio is off 1 by more than 5% (the issue's target) is flagged.
@@ -340,8 +340,9 @@ def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict
     return rows
 
 
-def run(args) -> dict:
-    """Responses and plain decoding -> simulated -> served (module docstring); the JSON's content."""
+def run(args, on_progress=None) -> dict:
+    """Responses and plain decoding -> simulated -> served (module docstring); the JSON's content.
+    ``on_progress(partial)``, if given, gets the content so far after each drafter is served."""
     from torchspec.runtime.loading import load_engine, resolve_dtype
     from torchspec.runtime.prompts import render_prompts
     from torchspec.targets import load_tokenizer, resolve_target_path
@@ -382,17 +383,25 @@ def run(args) -> dict:
 
     # 2. simulated on the unfused target of training capture (serving fused its own copy); 3. served
     simulated = simulate_drafters(path, drafters, responses, tokenizer, args, dtype, device, max_context, pad_id)
-    rows = [row for d in drafters.values() for row in serve_drafter(
-        d, decoder, tokenizer, responses, prompt_ids, simulated, plain, specs, modes, levels, max_context, args)]
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "dtype": str(dtype).removeprefix("torch."), "target": args.target, "depth": args.depth,
-            "tolerance": TOLERANCE, "row_keys": list(ROW_KEYS), "specs": {m: dataclasses.asdict(specs[m]) for m in modes},
-            "drafters": list(drafters.values()),
-            "responses": {"path": str(cache.path), "generated": generated, "reused": reused,
-                          "finish_reasons": {n: dict(Counter(r["finish_reason"] for r in recs))
-                                             for n, recs in responses.items()}},
-            "simulated": list(simulated.values()), "rows": rows, "flagged": sum(r["flag"] for r in rows),
-            "wall_s": time.perf_counter() - started, "args": vars(args)}
+    rows: list[dict] = []
+
+    def content() -> dict:
+        return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                "dtype": str(dtype).removeprefix("torch."), "target": args.target, "depth": args.depth,
+                "tolerance": TOLERANCE, "row_keys": list(ROW_KEYS),
+                "specs": {m: dataclasses.asdict(specs[m]) for m in modes}, "drafters": list(drafters.values()),
+                "responses": {"path": str(cache.path), "generated": generated, "reused": reused,
+                              "finish_reasons": {n: dict(Counter(r["finish_reason"] for r in recs))
+                                                 for n, recs in responses.items()}},
+                "simulated": list(simulated.values()), "rows": list(rows), "flagged": sum(r["flag"] for r in rows),
+                "wall_s": time.perf_counter() - started, "args": vars(args)}
+
+    for d in drafters.values():
+        rows += serve_drafter(d, decoder, tokenizer, responses, prompt_ids, simulated, plain, specs, modes, levels,
+                              max_context, args)
+        if on_progress is not None:
+            on_progress(content())
+    return content()
 
 
 def format_row(r: dict) -> str:
@@ -436,14 +445,21 @@ def main(argv: list[str] | None = None) -> dict:
 
     args = build_parser().parse_args(argv)
     with user_errors("bench_quality", args.debug):
-        out = run(args)
         path = pathlib.Path(args.out)
-        if args.merge and path.is_file():
-            out = merge(json.loads(path.read_text()), out)
+        earlier = json.loads(path.read_text()) if args.merge and path.is_file() else None  # read once, before
+        # any write of this run: each drafter's rows are merged into it and written as soon as they exist,
+        # so a run cut short by a time limit keeps what it measured
+
+        def write(out: dict) -> dict:
+            out = merge(earlier, out) if earlier is not None else out
+            public = {**out, "simulated": [{k: v for k, v in s.items() if not k.startswith("_")}
+                                           for s in out["simulated"]]}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(public, indent=1))
+            return out
+
+        out = write(run(args, on_progress=write))
         print_table(out)
-        public = {**out, "simulated": [{k: v for k, v in s.items() if not k.startswith("_")} for s in out["simulated"]]}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(public, indent=1))
     print(f"wrote {path}")
     return out
 

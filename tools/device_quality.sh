@@ -148,10 +148,10 @@ quality)
         --modes "${QMODES:-chain,tree,sampled_tree}" --max-new-tokens 256)
   for name in $NAMES; do
     case " $EQUAL " in *" $name "*) ckpt=$common ;; *) ckpt=$(ls "$W/$name/checkpoints" | grep step_ | sort | tail -1) ;; esac
-    [ -d "$W/${name}_export" ] || python3 recipes/export.py "$W/$name" "$W/${name}_export" --step "$((10#${ckpt#step_}))" \
-      --dtype bfloat16 2>&1 | tail -1
-    cp "$W/${name}_export/config.json" "$RES/${name}_export_config.json"
-    args+=(--drafter "$name=$W/${name}_export")
+    exp="$W/${name}_export_${ckpt}"  # one export per checkpoint: a later quality call serves later steps
+    [ -d "$exp" ] || python3 recipes/export.py "$W/$name" "$exp" --step "$((10#${ckpt#step_}))" --dtype bfloat16 2>&1 | tail -1
+    cp "$exp/config.json" "$RES/${name}_export_config.json"
+    args+=(--drafter "$name=$exp")
   done
   bench() {  # $1: GPU, $2: prompt set, $3: prompts
     CUDA_VISIBLE_DEVICES=$1 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --num-prompts "$3" \

@@ -122,6 +122,27 @@ def test_rows_carry_the_issue_keys_and_merge_replaces_only_remeasured_rows(tool,
         r for r in rows if r["mode"] == "chain" and r["concurrency"] == 1][0]["tokens_per_s"]  # measured again
 
 
+def test_each_drafters_rows_are_written_before_the_next_is_served(tool, pair, prompt_file, tmp_path, monkeypatch):
+    """A run cut short (a time limit, a failing drafter) keeps the rows of the drafters served before."""
+    target, drafter = pair
+    out = tmp_path / "q.json"
+    real = tool.serve_drafter
+
+    def serve(d, *rest):
+        if d["drafter"] == "second":
+            assert [r["drafter"] for r in json.loads(out.read_text())["rows"]] == ["first"]
+            raise RuntimeError("killed")
+        return real(d, *rest)
+
+    monkeypatch.setattr(tool, "serve_drafter", serve)
+    with pytest.raises(RuntimeError, match="killed"):
+        tool.main(["--device", "cpu", "--target", target, "--drafter", f"first={drafter}", "--drafter",
+                   f"second={drafter}", "--prompt-set", prompt_file, "--out", str(out), "--modes", "chain",
+                   "--concurrency", "1", "--depth", "3", "--max-new-tokens", "12"])
+    written = json.loads(out.read_text())
+    assert [r["drafter"] for r in written["rows"]] == ["first"] and written["rows"][0]["served_acceptance"] >= 1
+
+
 def test_served_chain_is_what_the_engine_reports(chain_run, pair):
     row = chain_run["rows"][0]
     responses = [json.loads(line) for line in Path(chain_run["responses"]["path"]).read_text().splitlines()]
