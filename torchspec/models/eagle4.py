@@ -204,7 +204,7 @@ class Eagle4Drafter(Drafter):
         """Copy the target's embedding (frozen) and, if asked, its LM head as the drafter head's start;
         an efficient head's low-rank scorer starts as the truncated SVD of the (copied) full head, run
         where the target's head is unless ``svd_device`` says otherwise (training builds the drafter on
-        the CPU beside a GPU target: six runs sharing a GPU machine's cores spent ~75 s each in a CPU SVD)."""
+        the CPU beside a GPU target, whose SVD is far faster than the CPU's)."""
         self.embed_tokens.weight.copy_(embed_weight)
         if init_lm_head:
             self.lm_head.weight.copy_(lm_head_weight)
