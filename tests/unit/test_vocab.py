@@ -86,3 +86,13 @@ def test_coverage():
     freqs = torch.tensor([0, 5, 2, 5, 0, 1, 9, 0])
     _, t2d = build_vocab_mapping(freqs, 4)
     assert vocab_coverage(freqs, t2d) == pytest.approx(21 / 22)
+
+
+def test_frequencies_over_more_tokens_than_one_count_batch():
+    """Counts are taken in batches of ~1M tokens: five 300K-token examples cross a batch boundary mid-way
+    and must still count every masked token exactly once."""
+    g = torch.Generator().manual_seed(0)
+    examples = [Example(torch.randint(0, 500, (300_000,), generator=g), torch.randint(0, 2, (300_000,), generator=g))
+                for _ in range(5)]
+    expected = torch.bincount(torch.cat([e.input_ids[e.loss_mask.bool()] for e in examples]), minlength=500)
+    assert torch.equal(token_frequencies(examples, 500), expected)
