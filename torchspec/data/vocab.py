@@ -27,8 +27,8 @@ from torchspec.data.dataset import Example
 def token_frequencies(examples: Iterable[Example], vocab_size: int) -> torch.Tensor:
     """Count each target token id under the loss mask of ``examples`` -> long [vocab_size]."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    pending: list[torch.Tensor] = []  # one bincount per ~1M tokens, not one per example: a vocabulary-wide
-    held = 0                          # add per example cost ~70 s with six runs' threads on shared cores
+    pending: list[torch.Tensor] = []  # one bincount per ~1M tokens, not a vocabulary-wide bincount and add
+    held = 0                          # per example (2,444 examples: 0.11 -> 0.08 s on 2 quiet cores)
 
     def flush() -> None:
         nonlocal held
