@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.head_loss_problems import grads, make
 from torchspec.train.loss import TeacherHead, auto_chunk_positions, check_chunk_fits, fused_ttt_head_loss
 
 
@@ -39,27 +40,6 @@ def reference(states, weight, t_hidden, t_weight, t_bias, w, down=None, up=None,
             fhit[i, j] = (s > s[z.argmax()]).sum() < topk
             thit[i, j] = (s > s[t_arg]).sum() < topk
     return loss, kl, argmax, skl, fhit, thit
-
-
-def make(seed, n=11, k=3, h=8, ht=6, v=53, r=3):
-    g = torch.Generator().manual_seed(seed)
-    states = torch.randn(n, k, h, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) * 0.7).requires_grad_()
-    down = (torch.randn(r, h, generator=g, dtype=torch.float64) * 0.5).requires_grad_()
-    up = (torch.randn(v, r, generator=g, dtype=torch.float64) * 0.5).requires_grad_()
-    t_hidden = torch.randn(n, ht, generator=g, dtype=torch.float64)
-    t_weight = torch.randn(v, ht, generator=g, dtype=torch.float64)
-    t_bias = torch.randn(v, generator=g, dtype=torch.float64)
-    w = torch.rand(n, k, generator=g, dtype=torch.float64) * (torch.rand(n, k, generator=g) > 0.3)
-    w[n // 2] = 0  # a position no step scores
-    return states, weight, down, up, t_hidden, t_weight, t_bias, w
-
-
-def grads(params):
-    out = [p.grad.clone() for p in params]
-    for p in params:
-        p.grad = None
-    return out
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 11])

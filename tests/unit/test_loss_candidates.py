@@ -16,6 +16,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from tests.head_loss_problems import grads
+from tests.head_loss_problems import make as head_loss_problem
 from torchspec.train.loss import TeacherHead, fused_ttt_head_loss
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,24 +54,9 @@ def reference(states, weight, down, up, t_hidden, t_weight, t_bias, w, topk, tar
     return loss, kl, argmax, overlaps
 
 
-def make(seed, n=9, k=3, h=8, ht=6, v=40, r=3):
-    g = torch.Generator().manual_seed(seed)
-    f64 = {"generator": g, "dtype": torch.float64}
-    states = torch.randn(n, k, h, **f64).requires_grad_()
-    weight = (torch.randn(v, h, **f64) * 0.7).requires_grad_()
-    down = (torch.randn(r, h, **f64) * 0.5).requires_grad_()
-    up = (torch.randn(v, r, **f64) * 0.5).requires_grad_()
-    t_hidden, t_weight, t_bias = torch.randn(n, ht, **f64), torch.randn(v, ht, **f64), torch.randn(v, **f64)
-    w = torch.rand(n, k, **f64) * (torch.rand(n, k, generator=g) > 0.3)
-    w[n // 2] = 0  # a position no step scores
-    return states, weight, down, up, t_hidden, t_weight, t_bias, w
-
-
-def grads(params):
-    out = [p.grad.clone() for p in params]
-    for p in params:
-        p.grad = None
-    return out
+def make(seed):
+    """This file's problem size: 9 positions over a 40-token vocabulary."""
+    return head_loss_problem(seed, n=9, v=40)
 
 
 def candidates_loss(states, weight, down, up, t_hidden, t_weight, t_bias, w, topk, target_topk, chunk=None):
