@@ -32,6 +32,7 @@ n = ctx - 1 (``torchspec/runtime/drafter_runner.py``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -153,9 +154,13 @@ class _DraftWriter:
                                     cache.page_size)
         self.slots = torch.where(inputs.row_valid[:, None], slots, torch.full_like(slots, TRASH_PAGE * cache.page_size))
         self.anchor = inputs.ctx_len - 1  # n: the last committed position
-        idx = torch.arange(max(total_slots, depth), device=dev)
-        self.eye = idx[:total_slots, None] == idx[None, :total_slots]  # [total, total]
-        self.positions = self.anchor[:, None] + idx[None, :depth]  # [B, depth]: depth d at n + d
+        self.positions = self.anchor[:, None] + torch.arange(depth, device=dev)  # [B, depth]: depth d at n + d
+
+    @functools.cached_property
+    def eye(self) -> torch.Tensor:
+        """[total, total] bool: the slot identity (a node sees its own slot), built on a tree's first depth."""
+        idx = torch.arange(self.total, device=self.slots.device)
+        return idx[:, None] == idx[None, :]
 
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, parent_rows: torch.Tensor | None,
             depth: int) -> tuple[torch.Tensor, torch.Tensor]:
