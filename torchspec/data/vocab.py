@@ -27,16 +27,6 @@ from torchspec.data.dataset import Example
 def token_frequencies(examples: Iterable[Example], vocab_size: int) -> torch.Tensor:
     """Count each target token id under the loss mask of ``examples`` -> long [vocab_size]."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    pending: list[torch.Tensor] = []  # one bincount per ~1M tokens, not a vocabulary-wide bincount and add
-    held = 0                          # per example (2,444 examples: 0.11 -> 0.08 s on 2 quiet cores)
-
-    def flush() -> None:
-        nonlocal held
-        if pending:
-            counts.add_(torch.bincount(torch.cat(pending), minlength=vocab_size))
-            pending.clear()
-            held = 0
-
     for n, ex in enumerate(examples):
         ids = ex.input_ids[ex.loss_mask.bool()]
         if ids.numel() == 0:
@@ -46,11 +36,7 @@ def token_frequencies(examples: Iterable[Example], vocab_size: int) -> torch.Ten
                 f"token_frequencies: example {n} holds token ids {int(ids.min())}..{int(ids.max())} outside "
                 f"[0, {vocab_size}); pass the target's vocab_size (the embedding size, not len(tokenizer))."
             )
-        pending.append(ids)
-        held += ids.numel()
-        if held >= 1 << 20:
-            flush()
-    flush()
+        counts += torch.bincount(ids, minlength=vocab_size)
     return counts
 
 
