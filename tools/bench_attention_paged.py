@@ -178,15 +178,11 @@ def time_ms(args, call) -> float:
 
 
 def _bandwidth_rule(attend, *args):
-    """``attend(*args)`` planned as if no split's partials fit in L2 (the chunk rule for large grids)."""
-    import torchspec.runtime.paged_attention_triton as kernels
+    """``attend(*args)`` planned with the large-grid chunk rule alone (``bandwidth_split_rule``)."""
+    from torchspec.runtime.paged_attention_triton import bandwidth_split_rule
 
-    l2 = kernels._l2_bytes
-    kernels._l2_bytes = lambda device: 0
-    try:
+    with bandwidth_split_rule():
         return attend(*args)
-    finally:
-        kernels._l2_bytes = l2
 
 
 def bench_case(args, mode: str, batch: int, ctx: int, copy: float) -> list[dict]:

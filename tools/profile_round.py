@@ -21,6 +21,7 @@ kernel count and the top kernels by time (in the JSON). ``round - (draft + verif
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -120,10 +121,6 @@ def batch_phases(engine, args, b: int, params) -> dict:
 
 @torch.no_grad()
 def main() -> None:
-    from bench_runtime_efficiency import build_engine, set_noise
-
-    from torchspec.runtime.sampling import SamplingParams
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-8b")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
@@ -140,10 +137,19 @@ def main() -> None:
                         "splits for small grids), to compare both in one call")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.attn_chunk_rule == "bandwidth":
-        import torchspec.runtime.paged_attention_triton as kernels
+    from torchspec.runtime.paged_attention_triton import bandwidth_split_rule
 
-        kernels._l2_bytes = lambda device: 0
+    rule = bandwidth_split_rule() if args.attn_chunk_rule == "bandwidth" else contextlib.nullcontext()
+    with rule:  # for the whole run: every graph is captured under it
+        profile(args)
+
+
+def profile(args) -> None:
+    """Build the pair, profile every phase at every batch size, print the table, write ``--json``."""
+    from bench_runtime_efficiency import build_engine, set_noise
+
+    from torchspec.runtime.sampling import SamplingParams
+
     batches = [int(x) for x in args.batch.split(",")]
     engine = build_engine(args.shape, 0.1, max(batches), args.ctx + 256, 0, "cuda", head_rank=args.head_rank,
                           layers=args.layers)

@@ -129,3 +129,6 @@ def test_launch_plan_spreads_a_short_tree_verify_over_the_machine(monkeypatch):
     assert small["min_chunk"] == small["block_n"] == 64 and small["num_splits"] >= 8
     big = plan(64, 8, 17, 4, 128, 32768, torch.bfloat16, torch.device("cpu"))
     assert big["min_chunk"] >= 8 * 17 * 4
+    with kernels.bandwidth_split_rule():  # the tools' "before" rule, for side-by-side runs
+        assert plan(1, 3, 17, 3, 64, 1024, torch.bfloat16, torch.device("cpu"))["min_chunk"] == 448
+    assert plan(1, 3, 17, 3, 64, 1024, torch.bfloat16, torch.device("cpu")) == small  # restored after the block

@@ -37,6 +37,7 @@ about as exact as the reference.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -178,6 +179,21 @@ def _l2_bytes(device: torch.device) -> int:
     return 50 << 20  # the interpreter: an H200's L2
 
 
+_SMALL_GRID_SPLITS = [True]  # False inside ``bandwidth_split_rule``
+
+
+@contextlib.contextmanager
+def bandwidth_split_rule():
+    """Plan (and so capture) attention inside this block with the large-grid chunk rule only -- splits of
+    >= 8 x rows keys, the rule before small grids took one-tile splits -- to measure both rules in one run
+    (``tools/bench_attention_paged.py --impls kernel_bw``, ``tools/profile_round.py --attn-chunk-rule``)."""
+    _SMALL_GRID_SPLITS[0] = False
+    try:
+        yield
+    finally:
+        _SMALL_GRID_SPLITS[0] = True
+
+
 def supports(q: torch.Tensor) -> bool:
     """Whether the kernels take this head size (16..256, any; padded to a power of two)."""
     return 16 <= q.shape[-1] <= MAX_HEAD_DIM
@@ -211,7 +227,7 @@ def plan(batch: int, kv_heads: int, tq: int, group: int, head_dim: int, max_keys
     # drafter forwards at low batch), so a split may be one key tile and a short row still spreads over
     # the machine. Otherwise partials stay <= 1/4 of the KV bytes a chunk reads.
     partial_bytes = batch * kv_heads * rows * ((num_splits or 1) + 1) * head_dim * 4
-    if split and partial_bytes <= _l2_bytes(device) // 4:
+    if split and _SMALL_GRID_SPLITS[0] and partial_bytes <= _l2_bytes(device) // 4:
         min_chunk = block_n
     else:
         min_chunk = triton.cdiv(max(block_n, 8 * rows), block_n) * block_n
@@ -263,4 +279,4 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return out.transpose(1, 2)
 
 
-__all__ = ["paged_attention_triton", "plan", "supports", "SPLIT_MAX_TQ"]
+__all__ = ["paged_attention_triton", "plan", "supports", "bandwidth_split_rule", "SPLIT_MAX_TQ"]
