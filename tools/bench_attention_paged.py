@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--impls", nargs="+", default=["kernel", "reference"], choices=["kernel", "kernel_bw", "reference"],
                    help="kernel_bw: the kernels with the bandwidth chunk rule alone (min_chunk >= 8 x rows keys, "
                         "the rule before small grids took one-tile splits)")
+    p.add_argument("--splits", type=int, nargs="*", default=[],
+                   help="also time the kernel at each of these explicit split counts (impl kernel_s<N>), to check "
+                        "the planner's choice against the best one per case")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--inner", type=int, default=10, help="calls per CUDA graph replay")
@@ -198,11 +201,14 @@ def bench_case(args, mode: str, batch: int, ctx: int, copy: float) -> list[dict]
         calls["kernel"] = lambda: paged_attention_triton(q, k_pool, v_pool, meta, scale)
         calls["kernel_bw"] = lambda: _bandwidth_rule(paged_attention_triton, q, k_pool, v_pool, meta, scale)
         max_err = (calls["kernel"]().float() - ref.float()).abs().max().item()
+        for n in args.splits:  # default arguments bind n now, not at the last iteration's value
+            calls[f"kernel_s{n}"] = lambda n=n: paged_attention_triton(q, k_pool, v_pool, meta, scale, num_splits=n)
     needed = batch * args.kv_heads * (ctx + tq) * args.head_dim * 2 * k_pool.element_size()
     mask_ms = time_ms(args, lambda: build_attention_meta(meta.block_table, meta.ctx_len, meta.tree_mask,
                                                          meta.page_size).mask)
     rows = []
-    for impl in args.impls:
+    impls = args.impls + [f"kernel_s{n}" for n in args.splits if f"kernel_s{n}" in calls]
+    for impl in impls:
         ms = time_ms(args, calls[impl])
         gbps = needed / (ms * 1e-3) / 1e9
         rows.append(dict(mode=mode, tq=tq, batch=batch, ctx=ctx, impl=impl, ms=ms, kv_gbps=gbps,

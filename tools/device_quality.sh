@@ -21,6 +21,10 @@
 #   call 4: cd /tmp/snap && bash tools/device_quality.sh quality
 #   The calls must follow each other within the machine's 30 s idle window, or /tmp is gone.
 #
+# stage: SWEEP=1 times the attention planner's split counts against explicit ones (alone on the GPU: call 1);
+# GPU_TESTS="files" runs those GPU tests (GPU_TEST_S seconds), in stage or beside regenerate's generation.
+# regenerate with REGEN_TGZ=<an earlier call's regen_data.tgz> skips the first pass; MORECONV=N then answers the
+# source's next N records into $W/regen_b and trains on both (merged, every shard verified, into regen_all.jsonl).
 # CALL_S: the seconds this call may use (default 570); STEPS: the runs' train.max_steps; SAVE_EVERY / EVAL_EVERY:
 # their checkpoint and held-out intervals (250; a run killed at the call's limit loses the steps since its last save);
 # LR / WARMUP: train.lr / train.warmup_steps (5e-4 / 200). Results gather in $W/res and come back as one
@@ -48,7 +52,8 @@ left() { echo $(( ${CALL_S:-570} - ($(date +%s) - T0) )); }
 STEPS=${STEPS:-3000}
 NGPU=$(nvidia-smi -L | wc -l)
 
-# RUNS: the drafters trained side by side, "name:override,override ..." (GPU i % NGPU for the i-th); e.g. the
+# RUNS: the drafters trained side by side, "name:override,override ..." (GPU i % NGPU for the i-th; a run's own
+# overrides come last, so they win over the common ones: e.g. a warm start's train.lr or train.max_steps); e.g. the
 # issue's ablations: RUNS="eagle4:drafter=eagle4 nopost:drafter=eagle4,drafter.fc_post_norm=false
 #                          moe:drafter=eagle4_moe"
 RUNS=${RUNS:-"eagle3:drafter=eagle3 eagle4:drafter=eagle4"}
@@ -58,7 +63,8 @@ train_all() {  # $1: seconds; resumes every run from its latest checkpoint
   local limit=$1 common i=0
   [ "$limit" -gt 90 ] || { echo "no time left to train ($limit s)"; return; }
   local threads=$(( $(nproc) / $(echo $RUNS | wc -w) ))  # CPU threads per run: no oversubscription
-  common="target.path=$W/smollm2.gguf target.cache_dir=$W/cache data=jsonl data.path=$W/regen
+  local data=$W/regen; [ -f "$W/regen_all.jsonl" ] && data=$W/regen_all.jsonl  # MORECONV merged a second run in
+  common="target.path=$W/smollm2.gguf target.cache_dir=$W/cache data=jsonl data.path=$data
     data.max_length=2048 data.pack=true data.eval_size=64 train=gpu train.micro_batch_size=8 train.grad_accum=1
     train.lr=${LR:-5e-4} train.warmup_steps=${WARMUP:-200} train.max_steps=$STEPS train.log_every=${LOG_EVERY:-25} train.save_every=${SAVE_EVERY:-250}
     train.keep_checkpoints=40 train.eval_every=${EVAL_EVERY:-250} train.report_to=none train.async_checkpoint=true train.num_threads=$threads
@@ -67,7 +73,7 @@ train_all() {  # $1: seconds; resumes every run from its latest checkpoint
   for run in $RUNS; do
     name=${run%%:*} overrides=${run#*:}
     OMP_NUM_THREADS=$threads CUDA_VISIBLE_DEVICES=$(( i % NGPU )) timeout -s KILL "$limit" python3 recipes/train.py name="$name" \
-      train.output_dir="$W/$name" ${overrides//,/ } $common 2>&1 | grep -v "it/s\]" >> "$W/train_$name.log" &
+      train.output_dir="$W/$name" $common ${overrides//,/ } 2>&1 | grep -v "it/s\]" >> "$W/train_$name.log" &
     i=$(( i + 1 ))
   done
   wait
@@ -75,6 +81,35 @@ train_all() {  # $1: seconds; resumes every run from its latest checkpoint
     cp "$W/train_$name.log" "$RES/"; cp "$W/$name/metrics.jsonl" "$RES/${name}_metrics.jsonl" 2>/dev/null
     tail -3 "$W/train_$name.log"
   done
+}
+gpu_tests() {  # GPU_TESTS: the GPU test files to run (split over the GPUs in two halves), GPU_TEST_S seconds
+  local t=${GPU_TEST_S:-200}  # the runtime GPU tests alone outran 140 s on a cold machine (compiles)
+  set -- $GPU_TESTS
+  local half=$(( ($# + 1) / 2 ))
+  CUDA_VISIBLE_DEVICES=0 timeout "$t" python3 -m pytest -q -p no:cacheprovider -p no:logging \
+    "${@:1:$half}" > "$RES/gpu_tests_a.log" 2>&1 &
+  [ "$#" -gt "$half" ] && CUDA_VISIBLE_DEVICES=$(( 1 % NGPU )) timeout "$t" python3 -m pytest -q -p no:cacheprovider \
+    -p no:logging "${@:$(( half + 1 ))}" > "$RES/gpu_tests_b.log" 2>&1 &
+  wait; tail -3 "$RES"/gpu_tests_*.log
+}
+attention_sweep() {  # issue 13: the planner's split count against explicit ones, both model shapes, alone on the GPU
+  local s="--modes decode tree16 --batches 1 4 8 16 64 --contexts 512 2048 8192 --max-context 8448
+           --impls kernel kernel_bw --splits 1 2 3 4 6 8 12 16 --repeats 10"
+  timeout 150 python3 tools/bench_attention_paged.py $s --json "$RES/attention_split_sweep_qwen3_8b.json" \
+    > "$RES/attention_split_sweep_qwen3_8b.log" 2>&1
+  timeout 120 python3 tools/bench_attention_paged.py $s --heads 9 --kv-heads 3 --head-dim 64 \
+    --json "$RES/attention_split_sweep_smollm2.json" > "$RES/attention_split_sweep_smollm2.log" 2>&1
+  tail -2 "$RES"/attention_split_sweep_*.log
+}
+merge_regenerations() {  # $1: the JSONL to write, then the finished regeneration directories, every shard verified
+  python3 - "$@" <<'PY'
+import json, sys
+from torchspec.data.regenerated import complete_shards, verify_shard
+from torchspec.io import atomic_write_text
+lines = [json.dumps(r) for d in sys.argv[2:] for shard in complete_shards(d) for r in verify_shard(shard)[0]]
+atomic_write_text(sys.argv[1], "\n".join(lines) + "\n")
+print(f"{len(lines)} conversations from {sys.argv[2:]} -> {sys.argv[1]}")
+PY
 }
 RES=$W/res
 mkdir -p "$RES"
@@ -89,21 +124,28 @@ stage)
     > /tmp/site/torchspec-0.1.0.dist-info/METADATA
   cp "$CARRY/.carryA/smol.part1" "$W/" && gunzip -c "$CARRY/.carryA/sg_users.jsonl.gz" > "$W/sg_users.jsonl"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/gpu.txt"
-  # GPU_TESTS: the GPU test files to run (split over the GPUs in two halves), GPU_TEST_S seconds
-  t=${GPU_TEST_S:-200}  # the runtime GPU tests alone outran 140 s on a cold machine (compiles)
-  set -- ${GPU_TESTS:-tests/gpu/test_runtime_hybrid_gpu.py tests/gpu/test_target_fused_gpu.py tests/gpu/test_runtime_gpu.py}
-  half=$(( ($# + 1) / 2 ))
-  CUDA_VISIBLE_DEVICES=0 timeout "$t" python3 -m pytest -q -p no:cacheprovider -p no:logging \
-    "${@:1:$half}" > "$RES/gpu_tests_a.log" 2>&1 &
-  [ "$#" -gt "$half" ] && CUDA_VISIBLE_DEVICES=$(( 1 % NGPU )) timeout "$t" python3 -m pytest -q -p no:cacheprovider \
-    -p no:logging "${@:$(( half + 1 ))}" > "$RES/gpu_tests_b.log" 2>&1 &
-  wait; tail -3 "$RES"/gpu_tests_*.log
+  [ -n "${SWEEP:-}" ] && attention_sweep
+  [ -n "${GPU_TESTS:-}" ] && gpu_tests
   set -- stage
   ;;
 regenerate)
   [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" "$CARRY/.carryB/smol.part2" > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
+  [ -n "${GPU_TESTS:-}" ] && { gpu_tests & }  # correctness only: they may share the GPU with the regeneration
   if [ -n "${REGEN_TGZ:-}" ]; then  # an earlier call's regenerated data (same target, same settings)
-    tar xzf "$REGEN_TGZ" -C "$W" && echo "regenerated data from $REGEN_TGZ" && train_all $(( $(left) - 15 ))
+    tar xzf "$REGEN_TGZ" -C "$W" && echo "regenerated data from $REGEN_TGZ"
+    if [ -n "${MORECONV:-}" ]; then  # and MORECONV more: the source's next records, into a second run, merged
+      done_=$(python3 -c "import json; print(json.load(open('$W/regen/generation.json'))['settings']['max_conversations'])")
+      tail -n +$(( done_ + 1 )) "$W/sg_users.jsonl" | head -n "$MORECONV" > "$W/sg_users_b.jsonl"
+      timeout -s INT $(( $(left) - 200 )) python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
+        source="$W/sg_users_b.jsonl" output="$W/regen_b" cache_dir="$W/cache" concurrency=256 \
+        max_conversations="$MORECONV" max_new_tokens=768 max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' \
+        | grep -v "conv/s\]$" | tail -20 | tee -a "$RES/regenerate.log"
+      cp "$W/regen_b/generation.json" "$RES/generation_b.json" 2>/dev/null
+      tar czf "$OUT/regen_b_data.tgz" -C "$W" regen_b
+      grep -q '"complete": true' "$W/regen_b/generation.json" && merge_regenerations "$W/regen_all.jsonl" "$W/regen" "$W/regen_b"
+    fi
+    wait  # the GPU tests
+    train_all $(( $(left) - 15 ))
     exit
   fi
   # the held-out sets first (MT-Bench's 80 two-turn questions answered by the target: data.eval_path), with
