@@ -72,6 +72,10 @@ class StrictDrafterConfig(PretrainedConfig):
     ARCH_FIELDS: ClassVar[dict[str, Flag]] = {}
     # Fields that must be given explicitly (no sensible default: they come from the target).
     REQUIRED: ClassVar[tuple[str, ...]] = ()
+    # transformers' own flag for such configs: without it, 5.17's save_pretrained builds ``type(self)()``
+    # to diff against (``_get_generation_parameters``), which a strict config refuses (torchspec-convert
+    # failed so on the H200 machine; 5.24 reads the dataclass fields instead).
+    has_no_defaults_at_init: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any):
         # transformers >= 5 turns every config subclass into a dataclass with a generated
