@@ -268,3 +268,16 @@ def test_moe_drafter_serves_losslessly_without_collecting_stats(tmp_path, tiny_t
         out = engine.generate(ps, max_new_tokens=24, spec=spec, ignore_eos=True)
         assert [r.token_ids for r in out] == [r.token_ids for r in plain]
         assert sum(map(sum, (r.accept_lengths for r in out))) / sum(len(r.accept_lengths) for r in out) > 1.05  # drafts accepted
+
+
+def test_sorted_dispatch_avoids_host_syncs_where_grouped_mm_has_no_native_kernel():
+    """On CUDA only bf16 with 16-byte aligned rows reaches torch's native grouped GEMM; fp32 / fp16 (and
+    misaligned rows) would read the group sizes on the host, which graph capture refuses (an fp32 MoE
+    drafter's rounds ran eagerly on the H200), so the sorted dispatch computes them densely there."""
+    from torchspec.models.moe import grouped_mm_syncs
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not grouped_mm_syncs(cuda, torch.bfloat16, 576, 1536)
+    assert grouped_mm_syncs(cuda, torch.float32, 576, 1536) and grouped_mm_syncs(cuda, torch.float16, 576, 1536)
+    assert grouped_mm_syncs(cuda, torch.bfloat16, 576, 1535)  # 2 x 1535 bytes: not 16-byte aligned
+    assert not grouped_mm_syncs(cpu, torch.float32, 576, 1536)  # no graphs on the CPU: keep the grouped path

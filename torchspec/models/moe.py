@@ -114,6 +114,17 @@ def _grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.shape[-1] * a.element_size()) % 16 == 0 and (b.shape[-1] * b.element_size()) % 16 == 0
 
 
+def grouped_mm_syncs(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """Whether the sorted dispatch's grouped GEMMs would read the group sizes on the host here: on CUDA
+    torch's grouped_mm is a native kernel for bf16 only (its fp32/fp16 path and ours below sync), and a
+    sync is what CUDA graph capture refuses (an fp32 MoE drafter fell back to eager on the H200)."""
+    if device.type != "cuda":
+        return False  # no graphs off the GPU: a sync costs little there
+    size = torch.empty((), dtype=dtype).element_size()
+    aligned = all(n * size % 16 == 0 for n in (hidden, intermediate, 2 * intermediate))
+    return not (hasattr(F, "grouped_mm") and dtype == torch.bfloat16 and aligned)
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of ``a [M, K]`` grouped by expert (``offs [E]`` int32, cumulative ends, offs[-1] = M)
     times ``b [E, K, N]`` -> ``[M, N]``; group e is ``a[offs[e-1]:offs[e]] @ b[e]``."""
@@ -207,6 +218,8 @@ class MoEMLP(nn.Module):
         """Token-slots sorted by expert through one grouped GEMM per projection: [N, H] -> [N, k, H]."""
         n, k = top_idx.shape
         dtype = _compute_dtype(x)
+        if grouped_mm_syncs(x.device, dtype, x.shape[-1], self.down.shape[1]):
+            return self._dense_experts(x, top_idx)  # static shapes, E / k x the FLOPs, no host sync
         slot_expert = top_idx.reshape(-1)  # [N*k]; slot s belongs to token s // k
         order = slot_expert.argsort(stable=True)  # [N*k] slots grouped by expert
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
