@@ -23,8 +23,9 @@
 #
 # stage: SWEEP=1 times the attention planner's split counts against explicit ones (alone on the GPU: call 1);
 # GPU_TESTS="files" runs those GPU tests (GPU_TEST_S seconds), in stage or beside regenerate's generation.
-# regenerate with REGEN_TGZ=<an earlier call's regen_data.tgz> skips the first pass; MORECONV=N then answers the
-# source's next N records into $W/regen_b and trains on both (merged, every shard verified, into regen_all.jsonl).
+# regenerate with REGEN_TGZ="<an earlier call's regen_data.tgz> [its regen_b_data.tgz]" skips the regeneration;
+# without a regen_b, MORECONV=N answers the source's next N records into $W/regen_b (returned as
+# $OUT/regen_b_data.tgz). With both, training reads them merged (every shard verified) from regen_all.jsonl.
 # CALL_S: the seconds this call may use (default 570); STEPS: the runs' train.max_steps; SAVE_EVERY / EVAL_EVERY:
 # their checkpoint and held-out intervals (250; a run killed at the call's limit loses the steps since its last save);
 # LR / WARMUP: train.lr / train.warmup_steps (5e-4 / 200). Results gather in $W/res and come back as one
@@ -73,13 +74,13 @@ train_all() {  # $1: seconds; resumes every run from its latest checkpoint
   for run in $RUNS; do
     name=${run%%:*} overrides=${run#*:}
     OMP_NUM_THREADS=$threads CUDA_VISIBLE_DEVICES=$(( i % NGPU )) timeout -s KILL "$limit" python3 recipes/train.py name="$name" \
-      train.output_dir="$W/$name" $common ${overrides//,/ } 2>&1 | grep -v "it/s\]" >> "$W/train_$name.log" &
+      train.output_dir="$W/$name" $common ${overrides//,/ } 2>&1 | tr '\r' '\n' | grep -Ev '^train: +[0-9]+%' >> "$W/train_$name.log" &
     i=$(( i + 1 ))
   done
   wait
   for name in $NAMES; do
     cp "$W/train_$name.log" "$RES/"; cp "$W/$name/metrics.jsonl" "$RES/${name}_metrics.jsonl" 2>/dev/null
-    tail -3 "$W/train_$name.log"
+    tail -n 3 "$W/train_$name.log"
   done
 }
 gpu_tests() {  # GPU_TESTS: the GPU test files to run (split over the GPUs in two halves), GPU_TEST_S seconds
@@ -90,7 +91,7 @@ gpu_tests() {  # GPU_TESTS: the GPU test files to run (split over the GPUs in tw
     "${@:1:$half}" > "$RES/gpu_tests_a.log" 2>&1 &
   [ "$#" -gt "$half" ] && CUDA_VISIBLE_DEVICES=$(( 1 % NGPU )) timeout "$t" python3 -m pytest -q -p no:cacheprovider \
     -p no:logging "${@:$(( half + 1 ))}" > "$RES/gpu_tests_b.log" 2>&1 &
-  wait; tail -3 "$RES"/gpu_tests_*.log
+  wait; tail -n 3 "$RES"/gpu_tests_*.log
 }
 attention_sweep() {  # issue 13: the planner's split count against explicit ones, both model shapes, alone on the GPU
   local s="--modes decode tree16 --batches 1 4 8 16 64 --contexts 512 2048 8192 --max-context 8448
@@ -99,7 +100,7 @@ attention_sweep() {  # issue 13: the planner's split count against explicit ones
     > "$RES/attention_split_sweep_qwen3_8b.log" 2>&1
   timeout 120 python3 tools/bench_attention_paged.py $s --heads 9 --kv-heads 3 --head-dim 64 \
     --json "$RES/attention_split_sweep_smollm2.json" > "$RES/attention_split_sweep_smollm2.log" 2>&1
-  tail -2 "$RES"/attention_split_sweep_*.log
+  tail -n 2 "$RES"/attention_split_sweep_*.log
 }
 merge_regenerations() {  # $1: the JSONL to write, then the finished regeneration directories, every shard verified
   python3 - "$@" <<'PY'
@@ -132,8 +133,10 @@ regenerate)
   [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" "$CARRY/.carryB/smol.part2" > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
   [ -n "${GPU_TESTS:-}" ] && { gpu_tests & }  # correctness only: they may share the GPU with the regeneration
   if [ -n "${REGEN_TGZ:-}" ]; then  # an earlier call's regenerated data (same target, same settings)
-    tar xzf "$REGEN_TGZ" -C "$W" && echo "regenerated data from $REGEN_TGZ"
-    if [ -n "${MORECONV:-}" ]; then  # and MORECONV more: the source's next records, into a second run, merged
+    for t in $REGEN_TGZ; do tar xzf "$t" -C "$W" && echo "regenerated data from $t"; done  # regen (+ regen_b)
+    if [ -d "$W/regen_b" ]; then
+      merge_regenerations "$W/regen_all.jsonl" "$W/regen" "$W/regen_b"
+    elif [ -n "${MORECONV:-}" ]; then  # and MORECONV more: the source's next records, into a second run, merged
       done_=$(python3 -c "import json; print(json.load(open('$W/regen/generation.json'))['settings']['max_conversations'])")
       tail -n +$(( done_ + 1 )) "$W/sg_users.jsonl" | head -n "$MORECONV" > "$W/sg_users_b.jsonl"
       timeout -s INT $(( $(left) - 200 )) python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
@@ -208,7 +211,7 @@ quality)
       if [ "$set_" = humaneval ]; then bench 0 humaneval "${NUM_HE:-24}"; else bench 0 "$set_" "${NUM:-40}"; fi
     done
   fi
-  tail -30 "$RES"/quality_*.log
+  tail -n 30 "$RES"/quality_*.log
   ;;
 *)
   echo "usage: $0 stage|regenerate|train|warm|quality" >&2; exit 2 ;;
