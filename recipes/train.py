@@ -57,6 +57,7 @@ from torchspec.train.optim import resolve_precision, resolve_target_dtype, warmu
 from torchspec.train.run_dir import (
     DONE,
     LOG_FORMAT,
+    StallWatch,
     WallClockLimit,
     check_output_dir,
     claim_output_dir,
@@ -256,6 +257,7 @@ def train(raw: DictConfig) -> None:
     log.info("setup took %.1fs", time.time() - started)
 
     limit = WallClockLimit(started, t.max_wall_s)
+    stall = StallWatch(t.stall_dump_s, out_dir / (f"stalls_rank{info.rank}.txt" if info.world_size > 1 else "stalls.txt"))
 
     def run_eval() -> dict[str, float]:
         began = time.time()
@@ -294,11 +296,13 @@ def train(raw: DictConfig) -> None:
     crash_after = int(os.environ.get("TORCHSPEC_CRASH_AFTER_STEP", "-1"))
     stats, tick = StepStats(), time.time()
     bar = tqdm(total=t.max_steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2, disable=not rank0)
+    stall.beat()
     while step < t.max_steps:
         micro = [to_device(collate([train_set[i] for i in shard_for_rank(sampler.next_batch(), info.rank, info.world_size)],
                                    pad_id, packed=d.pack), info.device) for _ in range(t.grad_accum)]
         grad_norm = train_step(target, engine, micro, opts, stats, tp_group)
         step += 1
+        stall.beat()
         bar.update(1)
         if step % t.log_every == 0 or step == t.max_steps:
             stats.all_reduce()
@@ -327,9 +331,11 @@ def train(raw: DictConfig) -> None:
             logger.close()
             log.info("train.max_wall_s=%g: stopped at step %d after %.0f s with its checkpoint in %s; rerun the "
                      "same command to resume", t.max_wall_s, step, time.time() - started, out_dir / "checkpoints")
+            stall.close()
             barrier()
             return
     bar.close()
+    stall.close()
 
     # The end, in an order a kill at any moment can be resumed from without repeating a line of
     # metrics.jsonl: final eval (logged) -> final checkpoint (records that eval) -> serving export ->

@@ -69,7 +69,7 @@ train_all() {  # $1: seconds; resumes every run from its latest checkpoint
     data.max_length=2048 data.pack=true data.eval_size=64 train=gpu train.micro_batch_size=8 train.grad_accum=1
     train.lr=${LR:-5e-4} train.warmup_steps=${WARMUP:-200} train.max_steps=$STEPS train.log_every=${LOG_EVERY:-25} train.save_every=${SAVE_EVERY:-250}
     train.keep_checkpoints=40 train.eval_every=${EVAL_EVERY:-250} train.report_to=none train.async_checkpoint=true train.num_threads=$threads
-    train.max_wall_s=$(( limit - 20 ))
+    train.max_wall_s=$(( limit - 20 )) train.stall_dump_s=${STALL_S:-150}
     data.eval_path=$W/regen_mtbench data.eval_size=80"
   for run in $RUNS; do
     name=${run%%:*} overrides=${run#*:}

@@ -130,6 +130,9 @@ class TrainConfig:
     # Stop cleanly before this many seconds since start (a job's time limit): at a log step, when the next
     # interval would not fit, a synchronous checkpoint and exit 0 without DONE; rerun to resume. null: none.
     max_wall_s: float | None = None
+    # A diagnostic: when no training step ends within this many seconds, every thread's Python stack is
+    # written to <output_dir>/stalls.txt (again each further period); the run goes on. null: off.
+    stall_dump_s: float | None = None
     plot: bool = True
 
 
@@ -226,6 +229,8 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"train.betas={t.betas} must hold two numbers (AdamW beta1, beta2).")
     if t.max_wall_s is not None and not t.max_wall_s > 0:
         raise ValueError(f"train.max_wall_s={t.max_wall_s} must be > 0 seconds, or null for no limit.")
+    if t.stall_dump_s is not None and not t.stall_dump_s > 0:
+        raise ValueError(f"train.stall_dump_s={t.stall_dump_s} must be > 0 seconds, or null for no stack dumps.")
     if t.save_every and t.save_every % t.log_every:
         raise ValueError(
             f"train.save_every={t.save_every} must be a multiple of train.log_every={t.log_every} so a resumed "

@@ -76,12 +76,14 @@ def test_wall_clock_limit_stops_at_a_log_step_with_a_checkpoint_and_resumes_exac
     args = ("train.log_every=2", "train.async_checkpoint=true")
     full = run_recipe(tmp_path / "full", tiny_llama_dir, tiny_chat_jsonl, *args)
     assert full.returncode == 0, full.stderr[-3000:]
-    stopped = run_recipe(tmp_path / "run", tiny_llama_dir, tiny_chat_jsonl, *args, "train.max_wall_s=0.01")
+    stopped = run_recipe(tmp_path / "run", tiny_llama_dir, tiny_chat_jsonl, *args, "train.max_wall_s=0.01",
+                         "train.stall_dump_s=120")  # operational too; steps of ms never stall
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert "train.max_wall_s=0.01: stopped at step 2" in stopped.stdout + stopped.stderr
     run = tmp_path / "run"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002"
     assert not (run / "DONE").exists() and not (run / "drafter").exists()
+    assert (run / "stalls.txt").read_text() == ""
     resumed = run_recipe(run, tiny_llama_dir, tiny_chat_jsonl, *args)  # the limit is operational: dropped here
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr and (run / "DONE").exists()

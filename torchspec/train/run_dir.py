@@ -8,10 +8,13 @@
   ``finished_run`` turns a rerun of a finished run into one line and no work.
 * ``WallClockLimit`` (``train.max_wall_s``): whether a run stops at this log step so that its checkpoint
   is written before the job's time limit, instead of being killed mid-interval (or mid-save).
+* ``StallWatch`` (``train.stall_dump_s``): every thread's Python stack in ``stalls.txt`` when no step
+  ends for that long, so a run that stops making progress without an error says where it waits.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import shutil
@@ -33,7 +36,7 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # as Hydra'
 OPERATIONAL_KEYS = {
     "train.output_dir", "train.max_steps", "train.resume", "train.num_threads", "train.report_to",
     "train.wandb_project", "train.plot", "train.eval_every", "train.save_every", "train.keep_checkpoints",
-    "parallel.dist_timeout_minutes", "target.cache_dir", "train.max_wall_s",
+    "parallel.dist_timeout_minutes", "target.cache_dir", "train.max_wall_s", "train.stall_dump_s",
 }
 
 
@@ -134,3 +137,25 @@ class WallClockLimit:
         save = self.interval_s if self.save_s is None else self.save_s
         need = self.interval_s + (self.eval_s if eval_next else 0.0) + save
         return now + self.MARGIN * need > self.deadline
+
+
+class StallWatch:
+    """``train.stall_dump_s``: ``beat()`` after every step re-arms a timer; when it fires (no step ended for
+    ``seconds``) ``faulthandler`` writes every thread's Python stack to ``path``, from its own thread, so it
+    works while the main thread is blocked inside a collective, a CUDA sync or a lock, and repeats each
+    further period. The run itself is not touched. A no-op with ``seconds=None``. One per process
+    (faulthandler keeps a single timer)."""
+
+    def __init__(self, seconds: float | None, path: str | Path):
+        self.seconds = seconds
+        self.file = open(path, "a") if seconds else None  # noqa: SIM115 -- open as long as the timer may fire
+
+    def beat(self) -> None:
+        if self.file is not None:
+            faulthandler.dump_traceback_later(self.seconds, repeat=True, file=self.file)  # replaces the last timer
+
+    def close(self) -> None:
+        if self.file is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self.file.close()
+            self.file = None
