@@ -79,6 +79,10 @@ def plot(runs: dict[str, list[dict]], depth: int, warm: str, warm_from: str, out
         ax.set_title(f"warm start: {note}", fontsize=9)
         ax.set_xscale("symlog", linthresh=0.5)
         ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, f"no warm start here: runs '{warm}' and '{warm_from}' are both needed",
+                ha="center", va="center", fontsize=9, transform=ax.transAxes)
+        ax.set_xticks([]), ax.set_yticks([])
     ax.set_xlabel("training tokens (millions; warm: since the conversion)")
 
     ax = axes[2]

@@ -302,6 +302,31 @@ def plot_split_rule(sources: dict[str, Path], out: Path) -> None:
     plt.close(fig)
 
 
+def plot_split_sweep(sources: dict[str, Path], out: Path) -> None:
+    """Issue 13: the planner's split count against the best of the explicit ones, per shape, mode, batch
+    and context (tools/bench_attention_paged.py --splits ...): time / best time, 1.0 = the planner is best."""
+    fig, axes = plt.subplots(len(sources), 1, figsize=(13, 3.4 * len(sources)), squeeze=False)
+    for ax, (title, src) in zip(axes[:, 0], sources.items()):
+        by: dict[tuple, dict[str, float]] = {}
+        for r in json.loads(src.read_text())["rows"]:
+            if "ms" in r:
+                by.setdefault((r["mode"], r["batch"], r["ctx"]), {})[r["impl"]] = r["ms"]
+        cases = [k for k, v in by.items() if "kernel" in v and any(i.startswith("kernel_s") for i in v)]
+        best = {c: min((t, int(i[8:])) for i, t in by[c].items() if i.startswith("kernel_s")) for c in cases}
+        x = range(len(cases))
+        ax.bar(x, [by[c]["kernel"] / best[c][0] for c in cases], 0.6, color="tab:blue")
+        ax.axhline(1.0, color="k", lw=0.8)
+        for i, c in zip(x, cases):
+            ax.text(i, by[c]["kernel"] / best[c][0] + 0.02, f"{best[c][1]}", ha="center", fontsize=6)
+        ax.set_xticks(list(x), [f"{m}\nb={b} {c // 1024}K" if c >= 1024 else f"{m}\nb={b} {c}" for m, b, c in cases],
+                      fontsize=6)
+        ax.set_ylabel("planner / best explicit split count")
+        ax.set_title(f"{title}: one layer call in a CUDA graph (H200, bf16); numbers: the best split count", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     bench, img = ROOT / "docs" / "bench", ROOT / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -336,4 +361,8 @@ if __name__ == "__main__":
                   "Qwen3-8B attention": bench / "attention_paged_split_rule_qwen3_8b_h200.json"}
     if all(p.exists() for p in split_rule.values()):
         plot_split_rule(split_rule, img / "attention_split_rule.png")
+    sweep = {"SmolLM2-135M attention": bench / "attention_split_sweep_smollm2_h200.json",
+             "Qwen3-8B attention": bench / "attention_split_sweep_qwen3_8b_h200.json"}
+    if all(p.exists() for p in sweep.values()):
+        plot_split_sweep(sweep, img / "attention_split_sweep.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))
