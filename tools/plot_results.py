@@ -218,7 +218,7 @@ def plot_quality(metrics: dict[str, Path], quality: Path, out_acceptance: Path, 
     solid; served greedy chain on MT-Bench / HumanEval at the exported step, markers), and served speedup
     against concurrency for each drafter, prompt set and mode (tools/bench_quality.py rows)."""
     data = json.loads(quality.read_text())
-    colors = {"eagle3": "tab:blue", "eagle4": "tab:orange", "eagle4_27m": "tab:red"}
+    colors = {"eagle3": "tab:blue", "eagle4": "tab:orange", "eagle4_27m": "tab:red", "eagle4_21m": "tab:green"}
     fig, ax = plt.subplots(figsize=(10.5, 4.4))
     for name, src in metrics.items():
         rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
@@ -350,6 +350,7 @@ if __name__ == "__main__":
     if all(p.exists() for _, p in rounds):
         plot_round(rounds, img / "round_cost.png")
     quality = {name: bench / f"quality_smollm2_{name}_metrics.jsonl" for name in ("eagle3", "eagle4", "eagle4_27m")}
+    quality["eagle4_21m"] = bench / "ablation_smollm2_s6" / "ablation_smollm2_eagle4_metrics.jsonl"  # sixth session
     if (bench / "quality_smollm2.json").exists() and all(p.exists() for p in quality.values()):
         plot_quality(quality, bench / "quality_smollm2.json", img / "quality_acceptance_vs_tokens.png",
                      img / "quality_speedup_vs_concurrency.png")
