@@ -40,7 +40,17 @@ import torch
 from torchspec.runtime.paged_kv import build_attention_meta, paged_attention_reference
 from torchspec.runtime.tree import tree_attention_mask
 
-MODES = {"decode": 1, "tree16": 17, "tree32": 33, "prefill512": 512}
+MODES = {"decode": 1, "chain6": 6, "tree16": 17, "tree32": 33, "prefill512": 512}  # new tokens per row
+LENGTHS = ("uniform", "spread", "one_long")  # committed tokens per row: all ctx; ctx * (i+1)/B; one ctx, rest ctx/16
+
+
+def row_lengths(kind: str, batch: int, ctx: int) -> list[int]:
+    """Committed tokens of each row: ``ctx`` is the longest, so the block table's width is the same."""
+    if kind == "spread":
+        return [max(1, round(ctx * (i + 1) / batch)) for i in range(batch)]
+    if kind == "one_long":
+        return [ctx] + [max(1, ctx // 16)] * (batch - 1)
+    return [ctx] * batch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--max-context", type=int, default=32768, help="block table width in tokens")
+    p.add_argument("--lengths", choices=LENGTHS, default="uniform",
+                   help="rows' committed lengths: every row ctx; spread from ctx/B to ctx; or one row of ctx among "
+                        "rows of ctx/16 (what the planner's split-per-4K-table-keys rule is for)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -123,28 +136,32 @@ def _since(device, start) -> float:
     return time.perf_counter() - start
 
 
-def make_case(args, batch: int, ctx: int, tq: int, seed: int = 0):
-    """Pool, block tables, meta and q for ``batch`` rows of ``ctx`` committed tokens plus ``tq`` new."""
+def make_case(args, batch: int, ctx: int, tq: int, seed: int = 0, mode: str = "tree"):
+    """Pool, block tables, meta and q for ``batch`` rows of up to ``ctx`` committed tokens (``args.lengths``)
+    plus ``tq`` new ones: a random tree of them, or a chain (``mode`` chain* / prefill*)."""
     dev, page = args.device, args.page_size
     g = torch.Generator(device="cpu").manual_seed(seed)
     pages_per_row = args.max_context // page
-    need = -(-(ctx + tq) // page)
-    assert need <= pages_per_row, f"ctx {ctx} + {tq} does not fit max_context {args.max_context}"
-    num_pages = batch * need + 1
-    perm = torch.randperm(num_pages - 1, generator=g)[: batch * need] + 1
+    lens = row_lengths(getattr(args, "lengths", "uniform"), batch, ctx)
+    need = [-(-(n + tq) // page) for n in lens]
+    assert max(need) <= pages_per_row, f"ctx {ctx} + {tq} does not fit max_context {args.max_context}"
+    num_pages = sum(need) + 1
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
     bt = torch.zeros(batch, pages_per_row, dtype=torch.long)
-    bt[:, :need] = perm.view(batch, need)
+    for row, n in enumerate(need):
+        bt[row, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
     shape = (num_pages * page, args.kv_heads, args.head_dim)
     k_pool = torch.randn(shape, dtype=args.dtype, device=dev)
     v_pool = torch.randn(shape, dtype=args.dtype, device=dev)
     q = torch.randn(batch, tq, args.heads, args.head_dim, dtype=args.dtype, device=dev).transpose(1, 2)
-    if tq > 64:
+    if tq > 64 or mode.startswith(("chain", "prefill")):
         tree = torch.ones(tq, tq, dtype=torch.bool).tril().expand(batch, tq, tq)
     else:
         parents = torch.stack([torch.cat([torch.tensor([-1]), (torch.rand(tq - 1, generator=g)
                                * torch.arange(1, tq)).long()]) for _ in range(batch)])
         tree = tree_attention_mask(parents)
-    ctx_len = torch.full((batch,), ctx, dtype=torch.long)
+    ctx_len = torch.tensor(lens, dtype=torch.long)
     meta = build_attention_meta(bt.to(dev), ctx_len.to(dev), tree.to(dev), page)
     return q, k_pool, v_pool, meta
 
@@ -190,7 +207,7 @@ def _bandwidth_rule(attend, *args):
 
 def bench_case(args, mode: str, batch: int, ctx: int, copy: float) -> list[dict]:
     tq = MODES[mode]
-    q, k_pool, v_pool, meta = make_case(args, batch, ctx, tq)
+    q, k_pool, v_pool, meta = make_case(args, batch, ctx, tq, mode=mode)
     scale = args.head_dim ** -0.5
     ref = paged_attention_reference(q, k_pool, v_pool, meta, scale)  # also builds meta.mask once
     calls = {"reference": lambda: paged_attention_reference(q, k_pool, v_pool, meta, scale)}
@@ -203,7 +220,7 @@ def bench_case(args, mode: str, batch: int, ctx: int, copy: float) -> list[dict]
         max_err = (calls["kernel"]().float() - ref.float()).abs().max().item()
         for n in args.splits:  # default arguments bind n now, not at the last iteration's value
             calls[f"kernel_s{n}"] = lambda n=n: paged_attention_triton(q, k_pool, v_pool, meta, scale, num_splits=n)
-    needed = batch * args.kv_heads * (ctx + tq) * args.head_dim * 2 * k_pool.element_size()
+    needed = (int(meta.ctx_len.sum()) + batch * tq) * args.kv_heads * args.head_dim * 2 * k_pool.element_size()
     mask_ms = time_ms(args, lambda: build_attention_meta(meta.block_table, meta.ctx_len, meta.tree_mask,
                                                          meta.page_size).mask)
     rows = []
@@ -211,7 +228,7 @@ def bench_case(args, mode: str, batch: int, ctx: int, copy: float) -> list[dict]
     for impl in impls:
         ms = time_ms(args, calls[impl])
         gbps = needed / (ms * 1e-3) / 1e9
-        rows.append(dict(mode=mode, tq=tq, batch=batch, ctx=ctx, impl=impl, ms=ms, kv_gbps=gbps,
+        rows.append(dict(mode=mode, tq=tq, batch=batch, ctx=ctx, lengths=args.lengths, impl=impl, ms=ms, kv_gbps=gbps,
                          of_copy=gbps / copy, mask_ms=mask_ms if impl == "reference" else 0.0,
                          max_err=max_err))
     return rows
@@ -233,7 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     copy = copy_gbps(args.device, (2 << 30) if args.device.type == "cuda" else (64 << 20))
     print(f"device {torch.cuda.get_device_name() if args.device.type == 'cuda' else platform.processor() or 'cpu'}; "
-          f"copy {copy:.0f} GB/s (read + write); impls {args.impls}")
+          f"copy {copy:.0f} GB/s (read + write); impls {args.impls}; row lengths {args.lengths}")
     rows = []
     for mode in args.modes:
         for batch in args.batches:
@@ -250,7 +267,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         meta = dict(device=str(args.device), torch=torch.__version__, copy_gbps=copy, heads=args.heads,
                     kv_heads=args.kv_heads, head_dim=args.head_dim, page_size=args.page_size,
-                    max_context=args.max_context, dtype=str(args.dtype).removeprefix("torch."),
+                    max_context=args.max_context, lengths=args.lengths, dtype=str(args.dtype).removeprefix("torch."),
                     gpu=torch.cuda.get_device_name() if args.device.type == "cuda" else None)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"setup": meta, "rows": rows}, indent=1))

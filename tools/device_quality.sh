@@ -100,6 +100,9 @@ attention_sweep() {  # issue 13: the planner's split count against explicit ones
     > "$RES/attention_split_sweep_qwen3_8b.log" 2>&1
   timeout 120 python3 tools/bench_attention_paged.py $s --heads 9 --kv-heads 3 --head-dim 64 \
     --json "$RES/attention_split_sweep_smollm2.json" > "$RES/attention_split_sweep_smollm2.log" 2>&1
+  # ragged rows: one long row among short ones (what the split-per-4K-table-keys rule is for), and chain verify
+  timeout 120 python3 tools/bench_attention_paged.py $s --lengths one_long --modes chain6 tree16 --batches 8 16 64 \
+    --json "$RES/attention_split_sweep_qwen3_8b_one_long.json" > "$RES/attention_split_sweep_qwen3_8b_one_long.log" 2>&1
   tail -n 2 "$RES"/attention_split_sweep_*.log
 }
 merge_regenerations() {  # $1: the JSONL to write, then the finished regeneration directories, every shard verified

@@ -147,3 +147,28 @@ def test_launch_plan_keeps_split_programs_within_two_waves(monkeypatch):
         programs = batch * kv_heads * cfg["m_blocks"]
         assert cfg["num_splits"] * programs <= 2 * 132 or cfg["num_splits"] == 1, (batch, kv_heads, tq, cfg)
     assert kernels.plan(8, 8, 17, 4, 128, 4096, torch.bfloat16, torch.device("cpu"))["num_splits"] == 4
+
+
+def test_ragged_rows_and_chain_cases(bench):
+    """--lengths builds rows of different committed lengths (each its own pages, the longest = ctx) and the
+    reference reads each row's own keys; a chain case's new tokens see their predecessors only."""
+    from types import SimpleNamespace
+
+    from torchspec.runtime.paged_kv import paged_attention_reference
+
+    assert bench.row_lengths("spread", 4, 100) == [25, 50, 75, 100]
+    assert bench.row_lengths("one_long", 3, 160) == [160, 10, 10]
+    args = SimpleNamespace(device=torch.device("cpu"), page_size=4, max_context=128, kv_heads=2, head_dim=8,
+                           heads=4, dtype=torch.float32, lengths="one_long")
+    q, k_pool, v_pool, meta = bench.make_case(args, 3, 40, 6, mode="chain6")
+    assert meta.ctx_len.tolist() == [40, 2, 2]
+    used = meta.block_table[meta.block_table > 0]
+    assert used.numel() == used.unique().numel() == 12 + 2 + 2  # ceil((40 + 6) / 4), ceil((2 + 6) / 4) x 2
+    assert torch.equal(meta.tree_mask[0], torch.ones(6, 6, dtype=torch.bool).tril())
+    out = paged_attention_reference(q, k_pool, v_pool, meta, 8 ** -0.5)
+    # row 1 by hand: its 2 committed keys and the chain's keys up to each query, from its own pages
+    slots = torch.cat([meta.block_table[1, p] * 4 + torch.arange(4) for p in range(2)])[:8]
+    k, v = k_pool[slots].repeat_interleave(2, 1), v_pool[slots].repeat_interleave(2, 1)  # [8, heads, D]
+    scores = torch.einsum("htd,shd->hts", q[1], k) * 8 ** -0.5
+    scores = scores.masked_fill(~torch.ones(6, 8, dtype=torch.bool).tril(2), float("-inf"))
+    assert torch.allclose(out[1], torch.einsum("hts,shd->htd", scores.softmax(-1), v), atol=1e-5)
