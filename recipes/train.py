@@ -238,8 +238,9 @@ def train(raw: DictConfig) -> None:
     engine = build_train_engine(cfg, drafter, info)
     held_out = eval_batches(eval_set, t.micro_batch_size, pad_id, t.eval_batches, info)
     held_out_captures: dict = {}  # the frozen target's outputs on held_out, reused by later evals
-    opts = TTTOptions(t.ttt_steps, t.step_decay, cfg.drafter.moe_aux_loss_coef if cfg.drafter.moe else 0.0,
-                      cfg.drafter.lowrank_coef, cfg.drafter.lowrank_teacher,
+    moe = cfg.drafter.moe
+    opts = TTTOptions(t.ttt_steps, t.step_decay, cfg.drafter.moe_aux_loss_coef if moe else 0.0,
+                      cfg.drafter.moe_bias_rate if moe else 0.0, cfg.drafter.lowrank_coef, cfg.drafter.lowrank_teacher,
                       HeadLossConfig(t.loss_chunk_gib, t.loss_backend, cfg.drafter.head_loss,
                                      cfg.drafter.head_loss_target_topk))
 

@@ -74,7 +74,7 @@ def bench_one(args, target, engine, mb: int, tp_group, device) -> dict:
     g = torch.Generator(device="cpu").manual_seed(dist.get_rank())
     ids = torch.randint(0, args.vocab, (mb, args.seq), generator=g).to(device)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    opts = TTTOptions(args.ttt_steps, 0.8, 0.0, 1.0, "target")
+    opts = TTTOptions(args.ttt_steps, 0.8, lowrank_coef=1.0, lowrank_teacher="target")
 
     def target_only():
         with torch.no_grad():

@@ -44,6 +44,9 @@ class DrafterTrainingConfig:
     head_loss: str = "full"
     head_loss_target_topk: int = 128  # m of head_loss=candidates
     moe_aux_loss_coef: float = 0.01  # MoE load-balancing loss weight (needs moe)
+    # MoE loss-free balancing (needs moe): each optimizer step moves every expert's routing bias by this
+    # much towards balance (torchspec/models/moe.py); 0 = off
+    moe_bias_rate: float = 0.0
     init_lm_head_from_target: bool = True
     freeze_lm_head: bool = False
 
@@ -52,7 +55,8 @@ class DrafterTrainingConfig:
 # architectures that declare that flag).
 _ALWAYS_USED = {"arch", "attn_backend", "init_lm_head_from_target", "freeze_lm_head"}
 _TRAINING_KEY_FEATURE = {"lowrank_coef": "lm_head_rank", "lowrank_teacher": "lm_head_rank", "head_loss": "lm_head_rank",
-                         "head_loss_target_topk": "lm_head_rank", "moe_aux_loss_coef": "moe"}
+                         "head_loss_target_topk": "lm_head_rank", "moe_aux_loss_coef": "moe",
+                         "moe_bias_rate": "moe"}
 
 # drafter.*: the training keys above plus every architecture flag, DERIVED from the model configs'
 # ARCH_FIELDS (torchspec/models/eagle4.py, eagle3.py: the one place a flag, its default and meaning
@@ -207,6 +211,8 @@ def validate_config(cfg: Config) -> None:
     _choice(d.lowrank_teacher, "drafter.lowrank_teacher", ("target", "full"))
     if d.lowrank_coef < 0:
         raise ValueError(f"drafter.lowrank_coef={d.lowrank_coef} must be >= 0.")
+    if d.moe_bias_rate < 0:
+        raise ValueError(f"drafter.moe_bias_rate={d.moe_bias_rate} must be >= 0 (0 turns loss-free balancing off).")
     validate_head_loss(d, t)
     if d.draft_vocab_size is not None and d.draft_vocab_size < 1:
         raise ValueError(f"drafter.draft_vocab_size={d.draft_vocab_size} must be >= 1 or null.")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -175,6 +176,11 @@ def test_every_preset_trains_through_the_recipe(tmp_path, tiny_llama_dir, tiny_c
     if preset == "eagle4_moe":
         assert written["moe"] is True and written["moe_num_experts"] == 4
         assert any("train/moe_load_imbalance" in r for r in records)
+        # the preset's loss-free balancing: 3 sign steps of 0.01, exported with the weights
+        bias = next(v for k, v in load_file(out / "drafter" / "model.safetensors").items() if k.endswith("route_bias"))
+        steps = bias.double() / 0.01
+        assert bias.dtype == torch.float32 and bias.abs().max() > 0 and bias.abs().max() <= 0.03 + 1e-6
+        assert torch.allclose(steps, steps.round(), atol=1e-4)
     if preset == "eagle4" and extra:
         assert written["sliding_window"] == 8 and written["nope"] is True
 

@@ -281,3 +281,52 @@ def test_sorted_dispatch_avoids_host_syncs_where_grouped_mm_has_no_native_kernel
     assert grouped_mm_syncs(cuda, torch.float32, 576, 1536) and grouped_mm_syncs(cuda, torch.float16, 576, 1536)
     assert grouped_mm_syncs(cuda, torch.bfloat16, 576, 1535)  # 2 x 1535 bytes: not 16-byte aligned
     assert not grouped_mm_syncs(cpu, torch.float32, 576, 1536)  # no graphs on the CPU: keep the grouped path
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_route_bias_moves_the_selection_not_the_weights(dispatch):
+    """A bias on expert 3 makes every token pick it, and the mixing weights stay the router's own
+    probabilities (renormalised over what was picked); a zero bias routes as before."""
+    logits = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    moe, x = hand_routed(logits, top_k=2, dispatch=dispatch)
+    _, top0, w0 = moe.route(x[0])
+    assert torch.equal(top0, logits.softmax(-1).topk(2).indices)
+    with torch.no_grad():
+        moe.route_bias[3] = 100.0
+    probs, top, weights = moe.route(x[0])
+    assert (top == 3).any(-1).all()
+    picked = probs.gather(1, top)
+    assert torch.allclose(weights, picked / picked.sum(-1, keepdim=True))
+    assert "route_bias" in moe.state_dict()
+
+
+def test_balance_steps_undo_a_collapsed_router():
+    """Loss-free balancing with no gradient at all: a router that sends every token to expert 0 first
+    is balanced by sign steps of the bias on the step's own loads (8 experts, top-2)."""
+    torch.manual_seed(0)
+    moe = MoEMLP(16, 8, 8, top_k=2)
+    with torch.no_grad():
+        moe.router.weight.normal_(0, 0.3)
+        moe.router.weight[0] += 2.0 * torch.ones(16) / 4  # expert 0 wins for tokens with a positive mean
+    x = torch.randn(512, 16).abs()  # every token prefers expert 0 at the start
+
+    def imbalance() -> float:
+        _, top, _ = moe.route(x)
+        return float(load_imbalance(torch.bincount(top.reshape(-1), minlength=8)))
+
+    start = imbalance()
+    for _ in range(400):
+        _, top, _ = moe.route(x)
+        moe.balance_step(torch.bincount(top.reshape(-1), minlength=8), rate=0.01)
+    assert start > 3.0 and imbalance() < 1.3, (start, imbalance())
+    assert moe.route_bias[0] < 0 < moe.route_bias[1:].max()  # the overloaded expert is pushed down
+
+
+def test_route_bias_stays_fp32_when_the_module_is_cast():
+    moe = MoEMLP(8, 8, 4, top_k=2).to(torch.bfloat16)
+    assert moe.gate_up.dtype == torch.bfloat16 and moe.route_bias.dtype == torch.float32
+    moe.balance_step(torch.tensor([4.0, 0.0, 2.0, 2.0]), rate=0.01)
+    assert moe.route_bias.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.0])
+    for _ in range(300):  # 3.00 + 0.01 is still representable: a bf16 bias would have stopped moving
+        moe.balance_step(torch.tensor([0.0, 4.0, 2.0, 2.0]), rate=0.01)
+    assert moe.route_bias[0].item() == pytest.approx(2.99, abs=1e-5)

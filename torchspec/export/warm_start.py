@@ -447,6 +447,7 @@ def _upcycle(e3, e4, c4: Eagle4Config, s4, steps, synthetic_aux: bool, report: C
          f"dense down_proj in all {num} experts" + ("" if c4.moe_norm_topk_prob else " (x E/k)"))
     router = torch.randn(num, c4.hidden_size, generator=torch.Generator().manual_seed(0)) * 1e-3
     init("layer.mlp.router.weight", router, "small random (std 1e-3): near-uniform routing, ties broken per token")
+    init("layer.mlp.route_bias", torch.zeros(num), "zeros: no routing preference (loss-free balancing moves it)")
     if c4.moe_shared_expert:
         dense = e3.layer.mlp
         load("layer.mlp.shared_expert.gate_proj.weight", "layer.mlp.gate_proj.weight", detail="dense gate_proj")

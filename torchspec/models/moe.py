@@ -27,6 +27,16 @@ token-slot goes to one expert with probability 1. ``expert_load[e] = sum_n [e in
 not fractions) is returned so the caller can all-reduce it across ranks and micro-batches and log
 ``load_imbalance`` = max load / mean load of the global counts (contract 5).
 
+Loss-free balancing (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-
+Experts"): a per-expert bias b, a buffer, is added to the router logits for the top-k *selection* only,
+S = top-k of (W_r x + b); the weights w_e stay those of p. After every optimizer step the trainer calls
+``balance_step(expert_load, rate)``: b_e += rate * sign(mean load - load_e), with the step's global
+counts, so an overloaded expert is picked less and an idle one more, without a gradient term. It
+exists because the auxiliary loss alone lost on the H200: at 0.01 it was ~0.06% of the drafter's
+loss and the router collapsed onto one expert within 100 steps (load imbalance 3.6-3.8 of at most
+E/k = 4; docs/results.md, sixth session). b = 0 routes exactly as without it. The bias is kept in fp32
+whatever the module's dtype (``_apply``): a bf16 bias would round steps of 0.01 away above 2.
+
 Why ``extra_norm`` normalises the OUTPUT. The EAGLE-4 description adds "an additional
 normalisation after the dense layer" for the MoE variant. The MoE input already is
 ``post_attention_layernorm(x)``; a second RMSNorm on it would be redundant (RMSNorm of an
@@ -158,7 +168,21 @@ class MoEMLP(nn.Module):
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.shared_expert = SwiGLU(hidden_size, intermediate_size) if shared_expert else None
         self.output_norm = RMSNorm(hidden_size, norm_eps) if extra_norm else nn.Identity()
+        self.register_buffer("route_bias", torch.zeros(num_experts))  # selection only (loss-free balancing)
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._buffers["route_bias"] = self._buffers["route_bias"].float()  # routing is decided in fp32
+        return self
+
+    @torch.no_grad()
+    def balance_step(self, expert_load: torch.Tensor, rate: float) -> None:
+        """Loss-free balancing, once per optimizer step: ``expert_load [E]`` = this step's token-slot
+        counts summed over ranks, micro-batches and TTT steps (the same on every rank, so every rank's
+        bias stays equal); no tokens leave the bias as it is."""
+        load = expert_load.float().to(self.route_bias.device)
+        self.route_bias.add_(torch.sign(load.mean() - load), alpha=rate)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Initialise the stacked expert weights (router, shared expert and norm are ordinary
@@ -189,7 +213,8 @@ class MoEMLP(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.router.weight.float())  # [N, E]
         probs = torch.softmax(logits, dim=-1)
-        top_p, top_idx = probs.topk(self.top_k, dim=-1)  # [N, k]
+        top_idx = (logits + self.route_bias).topk(self.top_k, dim=-1).indices  # [N, k]; b = 0: topk of probs
+        top_p = probs.gather(1, top_idx)
         weights = top_p / top_p.sum(-1, keepdim=True) if self.norm_topk_prob else top_p
         return probs, top_idx, weights
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchspec.distributed import all_reduce_sum, gather_tp_batch, scatter_for_rank
-from torchspec.models.moe import load_imbalance
+from torchspec.models.moe import MoEMLP, load_imbalance
 from torchspec.train.loss import TeacherHead
 from torchspec.train.ttt import HeadLossConfig, TTTResult, acceptance_length, summarize, valid_counts
 
@@ -27,6 +27,7 @@ class TTTOptions:
     num_steps: int  # K
     decay: float  # step weight decay**k
     moe_aux_coef: float = 0.0  # MoE load-balancing loss weight
+    moe_bias_rate: float = 0.0  # MoE loss-free balancing: routing-bias step per optimizer step (0: off)
     lowrank_coef: float = 1.0  # efficient-head scorer distillation weight
     lowrank_teacher: str = "target"
     head_loss: HeadLossConfig = HeadLossConfig()
@@ -141,11 +142,20 @@ def train_step(target, engine, micro_batches: list[dict[str, torch.Tensor]], opt
                stats: StepStats, tp_group=None) -> torch.Tensor:
     """One optimizer step over this rank's ``micro_batches``. Returns the (device) gradient norm."""
     denominators = global_denominators(micro_batches, opts.num_steps)
+    loads = None
     for mb in micro_batches:
         result = run_micro_batch(target, engine, mb, opts, denominators, tp_group)
         engine.backward(result.loss)
         stats.add(result, tokens=mb["attention_mask"].sum())
+        if opts.moe_bias_rate and "moe_expert_load" in result.aux:
+            step_load = result.aux["moe_expert_load"].sum(0)  # [E]: the one MoE layer over the K TTT steps
+            loads = step_load if loads is None else loads + step_load
     grad_norm = engine.step()
+    if loads is not None:  # global counts: every rank moves its copy of the bias the same way
+        loads = all_reduce_sum(loads)
+        for module in engine.drafter.modules():
+            if isinstance(module, MoEMLP):
+                module.balance_step(loads, opts.moe_bias_rate)
     stats.steps += 1
     return grad_norm
 
