@@ -187,12 +187,13 @@ warm)
   ;;
 quality)
   # EQUAL: the runs exported at the last step all of them have a checkpoint of (equal tokens; default every
-  # run); any other run (a warm start) is exported at its own last checkpoint. QSETS (mtbench,humaneval),
+  # run); any other run (a warm start) is exported at its own last checkpoint. QDEPTHS ("5"; e.g. "5 6 7": the
+  # drafter is trained for K = 7 steps), QSETS (mtbench,humaneval),
   # QMODES (chain,tree,sampled_tree), QCONC (1,8,64): what bench_quality serves; NUM / NUM_HE prompts.
   EQUAL=${EQUAL:-$NAMES}
   common=$(for name in $EQUAL; do ls "$W/$name/checkpoints" | grep step_ | sort; done | sort | uniq -c \
     | awk -v n="$(echo $EQUAL | wc -w)" '$1 == n {print $2}' | tail -1)
-  args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --depth 5 --concurrency "${QCONC:-1,8,64}"
+  args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --concurrency "${QCONC:-1,8,64}"
         --modes "${QMODES:-chain,tree,sampled_tree}" --max-new-tokens 256)
   for name in $NAMES; do
     case " $EQUAL " in *" $name "*) ckpt=$common ;; *) ckpt=$(ls "$W/$name/checkpoints" | grep step_ | sort | tail -1) ;; esac
@@ -201,9 +202,11 @@ quality)
     cp "$exp/config.json" "$RES/${name}_export_config.json"
     args+=(--drafter "$name=$exp")
   done
-  bench() {  # $1: GPU, $2: prompt set, $3: prompts
-    CUDA_VISIBLE_DEVICES=$1 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --num-prompts "$3" \
-      --prompt-set "$2" --merge --out "$W/quality_$2.json" > "$RES/quality_$2.log" 2>&1
+  bench() {  # $1: GPU, $2: prompt set, $3: prompts; QDEPTHS: the served depths (each its own rows, merged)
+    for depth in ${QDEPTHS:-5}; do
+      CUDA_VISIBLE_DEVICES=$1 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --depth "$depth" \
+        --num-prompts "$3" --prompt-set "$2" --merge --out "$W/quality_$2.json" >> "$RES/quality_$2.log" 2>&1
+    done
     cp "$W/quality_$2.json" "$RES/" 2>/dev/null
   }
   sets=${QSETS:-mtbench,humaneval}
