@@ -23,9 +23,9 @@
 #
 # stage: SWEEP=1 times the attention planner's split counts against explicit ones (alone on the GPU: call 1);
 # GPU_TESTS="files" runs those GPU tests (GPU_TEST_S seconds), in stage or beside regenerate's generation.
-# regenerate with REGEN_TGZ="<an earlier call's regen_data.tgz> [its regen_b_data.tgz]" skips the regeneration;
-# without a regen_b, MORECONV=N answers the source's next N records into $W/regen_b (returned as
-# $OUT/regen_b_data.tgz). With both, training reads them merged (every shard verified) from regen_all.jsonl.
+# regenerate with REGEN_TGZ="<regen_data.tgz> [regen_b_data.tgz ...]" (earlier calls') skips the regeneration;
+# MORECONV=N then answers the source's next N records into the next run, regen_b, regen_c, ... (returned as
+# $OUT/regen_<x>_data.tgz). With several runs, training reads them merged (every shard verified), regen_all.jsonl.
 # CALL_S: the seconds this call may use (default 570); STEPS: the runs' train.max_steps; SAVE_EVERY / EVAL_EVERY:
 # their checkpoint and held-out intervals (250; a run killed at the call's limit loses the steps since its last save);
 # LR / WARMUP: train.lr / train.warmup_steps (5e-4 / 200). Results gather in $W/res and come back as one
@@ -136,20 +136,26 @@ regenerate)
   [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" "$CARRY/.carryB/smol.part2" > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
   [ -n "${GPU_TESTS:-}" ] && { gpu_tests & }  # correctness only: they may share the GPU with the regeneration
   if [ -n "${REGEN_TGZ:-}" ]; then  # an earlier call's regenerated data (same target, same settings)
-    for t in $REGEN_TGZ; do tar xzf "$t" -C "$W" && echo "regenerated data from $t"; done  # regen (+ regen_b)
-    if [ -d "$W/regen_b" ]; then
-      merge_regenerations "$W/regen_all.jsonl" "$W/regen" "$W/regen_b"
-    elif [ -n "${MORECONV:-}" ]; then  # and MORECONV more: the source's next records, into a second run, merged
-      done_=$(python3 -c "import json; print(json.load(open('$W/regen/generation.json'))['settings']['max_conversations'])")
-      tail -n +$(( done_ + 1 )) "$W/sg_users.jsonl" | head -n "$MORECONV" > "$W/sg_users_b.jsonl"
+    for t in $REGEN_TGZ; do tar xzf "$t" -C "$W" && echo "regenerated data from $t"; done  # regen, regen_b, ...
+    if [ -n "${MORECONV:-}" ]; then  # MORECONV more: the source's next records, into the next run regen_<x>
+      next=$(for d in "$W"/regen_[b-z]; do [ -d "$d" ] && ! grep -qs '"complete": true' "$d/generation.json" && echo "$d"; done)
+      if [ -z "$next" ]; then  # none unfinished (that one is resumed): a new run, regen_b, regen_c, ...
+        parts=$(ls -d "$W"/regen_[b-z] 2>/dev/null | wc -l)
+        next=$W/regen_$(printf "\\$(printf '%03o' $(( 98 + parts )))")
+      fi
+      done_=$(python3 -c "import json, glob
+print(sum(json.load(open(d + '/generation.json'))['settings']['max_conversations']
+          for d in ['$W/regen'] + sorted(glob.glob('$W/regen_[b-z]')) if d != '$next'))")
+      tail -n +$(( done_ + 1 )) "$W/sg_users.jsonl" | head -n "$MORECONV" > "$W/sg_users_next.jsonl"
       timeout -s INT $(( $(left) - 200 )) python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
-        source="$W/sg_users_b.jsonl" output="$W/regen_b" cache_dir="$W/cache" concurrency=256 \
+        source="$W/sg_users_next.jsonl" output="$next" cache_dir="$W/cache" concurrency=256 \
         max_conversations="$MORECONV" max_new_tokens=768 max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' \
         | grep -v "conv/s\]$" | tail -20 | tee -a "$RES/regenerate.log"
-      cp "$W/regen_b/generation.json" "$RES/generation_b.json" 2>/dev/null
-      tar czf "$OUT/regen_b_data.tgz" -C "$W" regen_b
-      grep -q '"complete": true' "$W/regen_b/generation.json" && merge_regenerations "$W/regen_all.jsonl" "$W/regen" "$W/regen_b"
+      cp "$next/generation.json" "$RES/generation_${next##*_}.json" 2>/dev/null
+      tar czf "$OUT/${next##*/}_data.tgz" -C "$W" "${next##*/}"  # carry it next time in REGEN_TGZ
     fi
+    parts=$(for d in "$W"/regen_[b-z]; do grep -qs '"complete": true' "$d/generation.json" && echo "$d"; done)  # finished
+    [ -n "$parts" ] && merge_regenerations "$W/regen_all.jsonl" "$W/regen" $parts
     wait  # the GPU tests
     train_all $(( $(left) - 15 ))
     exit
