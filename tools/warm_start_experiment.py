@@ -26,7 +26,8 @@ from conftest import make_conversations  # noqa: E402
 from torchspec.data import build_tiny_tokenizer, collate, tokenize_conversation  # noqa: E402
 from torchspec.data.dataset import Example  # noqa: E402
 from torchspec.data.vocab import build_vocab_mapping  # noqa: E402
-from torchspec.export.warm_start import attention_fit_error, eagle3_to_eagle4, format_report  # noqa: E402
+from torchspec.export.warm_start import eagle3_to_eagle4, format_report  # noqa: E402
+from torchspec.export.warm_start_fit import attention_fit_error  # noqa: E402
 from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter  # noqa: E402
 from torchspec.targets import TargetDecoder, build_tiny_target  # noqa: E402

@@ -10,7 +10,8 @@ from conftest import make_conversations
 from torchspec.data import collate, tokenize_conversation
 from torchspec.data.dataset import Example
 from torchspec.data.vocab import build_vocab_mapping
-from torchspec.export.warm_start import attention_fit_error, eagle3_to_eagle4, format_report
+from torchspec.export.warm_start import eagle3_to_eagle4, format_report
+from torchspec.export.warm_start_fit import attention_fit_error
 from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
 from torchspec.targets import TargetDecoder, build_tiny_target

@@ -35,7 +35,7 @@ What cannot map and is initialised deliberately:
   isotropic hidden: weaker, since the residual scale and the data's subspace are guesses.
   Both least-squares solves are ridge-regularised (``RIDGE``): a sharper fit starts closer but
   trains worse. ``report.metrics`` holds the relative errors on the fit samples (``attention_fit_error`` measures
-  them on held-out samples).
+  them on held-out samples). The samples and the fit are ``warm_start_fit.py``.
 * **fc-norm / post-norm scales.** If EAGLE-4 has ``fc_norm`` and EAGLE-3 had not, each captured
   state is RMS-normalised before fc, which changes the relative scale of the three inputs; the
   three norms start at the mean RMS of their state on the fit samples (``fc`` stays verbatim, so
@@ -59,19 +59,24 @@ What cannot map and is initialised deliberately:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from torchspec.export.warm_start_fit import (
+    RIDGE,
+    collect_eagle3_samples,
+    e4_attention_inputs,
+    fit_attention_input,
+    flat_samples,
+)
 from torchspec.models.config_base import SHARED_ARCH_FIELDS
 from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter
 from torchspec.models.lm_head import EfficientLMHead
 from torchspec.models.moe import MoEMLP
-from torchspec.train.ttt import shift_left
 
 # Config fields shared by EAGLE-3 and EAGLE-4 that ``check_compatible`` does not require to be equal
 # (RoPE base, max positions, norms' eps): EAGLE-4's value is used (torchspec-convert sizes EAGLE-4 from
@@ -79,14 +84,6 @@ from torchspec.train.ttt import shift_left
 COMPARED_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                    "intermediate_size", "aux_layer_ids", "target_num_layers")
 TARGET_FIELDS = tuple(k for k in SHARED_ARCH_FIELDS if k not in COMPARED_FIELDS)
-
-# Ridge strength of the fits, relative to the mean input variance. Directions the samples barely
-# visit (few distinct tokens, low-rank hidden states) must not get huge weights that training then
-# meets off-distribution. Measured on the tiny target (tools/warm_start_experiment.py, H=64): ridge
-# 1e-6 fits best (held-out q/k/v errors 0.24/0.19/0.36, acceptance 1.68 at step 0) but its
-# ill-conditioned weights then train badly (1.68 after 150 steps, vs 1.95 from random init);
-# 1e-3 starts at 1.55 and trains best (1.97); 1e-2 starts at 1.52.
-RIDGE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -124,121 +121,6 @@ def format_report(report: ConversionReport) -> str:
     lines += [f"note: {n}" for n in report.notes]
     lines += [f"metric: {k} = {v:.4f}" for k, v in report.metrics.items()]
     return "\n".join(lines)
-
-
-# --- EAGLE-3 samples -----------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def collect_eagle3_samples(e3: Eagle3Drafter, input_ids: Tensor, aux: list[Tensor],
-                           attention_mask: Tensor | None = None, num_steps: int = 3) -> list[dict[str, Tensor]]:
-    """Run EAGLE-3's TTT unroll (no loss) and record, per step k, what the layer saw and produced:
-    ids [B, T] (input token), g [B, T, H] (incoming hidden = residual), a [B, T, 2H] (attention
-    input), x [B, T, H] (layer output, pre-norm), mlp [B, T, H] (MLP output), valid [B, T]."""
-    b, t = input_ids.shape
-    real = attention_mask.bool() if attention_mask is not None else torch.ones(b, t, dtype=torch.bool)
-    positions = torch.arange(t).expand(b, t)
-    seen: dict[str, Tensor] = {}
-    hooks = [e3.layer.self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("a", i[0])),
-             e3.layer.mlp.register_forward_hook(lambda m, i, o: seen.__setitem__("mlp", o)),
-             e3.layer.register_forward_hook(lambda m, i, o: seen.__setitem__("x", o))]
-    try:
-        hidden, cache, steps = e3.fuse_target_states(aux), [], []
-        for k in range(min(num_steps, t - 1)):
-            ids = shift_left(input_ids, k + 1)
-            valid = shift_left(real, k + 1, fill=False) & real
-            g = hidden
-            _, hidden = e3.step(ids, hidden, positions + k, e3.ttt_attend(kv=cache))
-            steps.append({"ids": ids, "g": g, "a": seen["a"], "x": seen["x"], "mlp": seen["mlp"], "valid": valid})
-    finally:
-        for h in hooks:
-            h.remove()
-    return steps
-
-
-def _e4_attention_inputs(e4: Eagle4Drafter, steps: list[dict[str, Tensor]], aux: list[Tensor]) -> Tensor:
-    """EAGLE-4's eh_proj input a' = cat(embed_norm(e), hidden_norm(g')) for the positions EAGLE-3
-    saw, where g' is how EAGLE-4 represents EAGLE-3's hidden: its own fusion at step 0, and the
-    feedback EAGLE-4 would produce from EAGLE-3's layer output (norm(x) or x) after that. -> [N, 2H]"""
-    out = []
-    for k, s in enumerate(steps):
-        if k == 0:
-            g4 = e4.fuse_target_states(aux)
-        else:
-            x = steps[k - 1]["x"]
-            g4 = e4.norm(x) if e4.config.norm_output else x
-        emb = e4.embed_tokens(s["ids"]).to(g4.dtype)
-        out.append(torch.cat([e4.embed_norm(emb), e4.hidden_norm(g4)], -1)[s["valid"]])
-    return torch.cat(out)
-
-
-def _flat(steps: list[dict[str, Tensor]], key: str) -> Tensor:
-    return torch.cat([s[key][s["valid"]] for s in steps])
-
-
-@torch.no_grad()
-def attention_fit_error(e3: Eagle3Drafter, e4: Eagle4Drafter, input_ids: Tensor, aux: list[Tensor],
-                        attention_mask: Tensor | None = None, num_steps: int = 3) -> dict[str, float]:
-    """Relative errors ||e4 - e3||_F / ||e3||_F of q, k, v (EAGLE-4's q/k/v(pre_attn_norm(eh_proj(a')))
-    vs EAGLE-3's q/k/v(a)) and of the residual (eh_proj(a') vs EAGLE-3's incoming hidden), on the
-    positions of EAGLE-3's own TTT unroll over the given samples (before RoPE)."""
-    steps = collect_eagle3_samples(e3, input_ids, aux, attention_mask, num_steps)
-    a3, g3 = _flat(steps, "a").double(), _flat(steps, "g").double()
-    z = e4.eh_proj(_e4_attention_inputs(e4, steps, aux))
-    u = e4.layer.input_layernorm(z)
-    attn3, attn4 = e3.layer.self_attn, e4.layer.self_attn
-    out = {}
-    for name in ("q_proj", "k_proj", "v_proj"):
-        ref = a3 @ getattr(attn3, name).weight.double().T
-        out[name[0]] = float((getattr(attn4, name)(u).double() - ref).norm() / ref.norm())
-    out["residual"] = float((z.double() - g3).norm() / g3.norm())
-    return out
-
-
-# --- the fit ---------------------------------------------------------------------------------------
-
-
-def _ridge(x: Tensor, y: Tensor, rel: float = RIDGE) -> Tensor:
-    """argmin_B ||x B - y||^2 + lam ||B||^2, lam = rel * mean diag(x^T x). x [N, d], y [N, m] -> [d, m]."""
-    gram = x.T @ x
-    lam = rel * gram.diagonal().mean().clamp(min=1e-12)
-    return torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=x.dtype), x.T @ y)
-
-
-def _rms_rows(x: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def fit_attention_input(a4: Tensor, qkv: list[Tensor], g: Tensor, eps: float, residual_weight: float = 1.0,
-                        ridge: float = RIDGE) -> tuple[Tensor, list[Tensor], dict[str, float]]:
-    """Reduced-rank fit of eh_proj [H, 2H] and q/k/v [n_i, H] (see the module docstring).
-
-    a4 [N, 2H] eh_proj inputs; qkv: EAGLE-3's q, k, v outputs [N, n_i]; g [N, H] EAGLE-3 residual.
-    Returns (eh_proj weight, [q, k, v] weights, relative errors on these samples), float64."""
-    assert residual_weight > 0, "the residual block fixes eh_proj's output basis; it needs a weight > 0"
-    h = g.shape[1]
-    blocks = [*qkv, g]
-    scales = [b.pow(2).mean().sqrt().clamp(min=1e-12) for b in blocks]  # unit-RMS blocks
-    weights = [1.0, 1.0, 1.0, math.sqrt(residual_weight)]
-    targets = torch.cat([b * (w / s) for b, w, s in zip(blocks, weights, scales)], -1)  # [N, D]
-    coef = _ridge(a4, targets, ridge)  # [2H, D] unconstrained least squares
-    # Best rank-H approximation of the fitted values a4 @ coef: project on the top-H eigenvectors
-    # of coef^T (a4^T a4) coef (= right singular vectors of a4 @ coef, without forming it).
-    evals, evecs = torch.linalg.eigh(coef.T @ (a4.T @ a4) @ coef)
-    basis = evecs[:, evals.argsort(descending=True)[:h]]  # [D, H]
-    decode_res = basis.T[:, -h:] * (scales[-1] / weights[-1])  # [H, H]: coords -> residual g
-    eh = coef @ basis @ decode_res  # [2H, H]: z = a4 @ eh ~ g, in EAGLE-3's residual basis
-    u = _rms_rows(a4 @ eh, eps)  # exactly what q/k/v read (pre_attn_norm weight 1)
-    m = _ridge(u, torch.cat(qkv, -1), ridge)  # [H, sum n_i]
-    qkv_w = [w.T for w in m.split([b.shape[1] for b in qkv], dim=1)]
-    errors = {}
-    for name, w, ref in zip("qkv", qkv_w, qkv):
-        errors[f"fit_rel_err_{name}"] = float((u @ w.T - ref).norm() / ref.norm())
-    errors["fit_rel_err_residual"] = float((a4 @ eh - g).norm() / g.norm())
-    return eh.T, qkv_w, errors
-
-
-# --- conversion ------------------------------------------------------------------------------------
 
 
 def check_compatible(c3: Eagle3Config, c4: Eagle4Config) -> None:
@@ -329,7 +211,7 @@ def eagle3_to_eagle4(
         fit_aux = [torch.randn(*fit_tokens.shape, h, generator=gen) for _ in range(3)]
     fit_aux = [a.float() for a in fit_aux]
     steps = collect_eagle3_samples(e3, fit_tokens, fit_aux, fit_attention_mask, fit_steps)
-    report.metrics["fit_samples"] = float(_flat(steps, "g").shape[0])
+    report.metrics["fit_samples"] = float(flat_samples(steps, "g").shape[0])
 
     # Embedding, fusion.
     load("embed_tokens.weight", "embed_tokens.weight", detail="the target's embedding (frozen)")
@@ -364,11 +246,11 @@ def eagle3_to_eagle4(
     load("norm.weight", "norm.weight")  # before the fit: EAGLE-4's feedback norm(x) enters its samples
 
     # eh_proj, pre-attention norm, q/k/v: the reduced-rank fit.
-    a4 = _e4_attention_inputs(e4, steps, fit_aux).double()
-    a3 = _flat(steps, "a").double()
+    a4 = e4_attention_inputs(e4, steps, fit_aux).double()
+    a3 = flat_samples(steps, "a").double()
     attn3 = e3.layer.self_attn
     qkv = [a3 @ getattr(attn3, n).weight.double().T for n in ("q_proj", "k_proj", "v_proj")]
-    eh, qkv_w, errors = fit_attention_input(a4, qkv, _flat(steps, "g").double(), e4_config.rms_norm_eps,
+    eh, qkv_w, errors = fit_attention_input(a4, qkv, flat_samples(steps, "g").double(), e4_config.rms_norm_eps,
                                             residual_weight, ridge)
     report.metrics.update(errors)
     init("eh_proj.weight", eh.float(), "reduced-rank fit: z = eh_proj(a') ~ EAGLE-3 residual g; carries q/k/v inputs")
@@ -460,10 +342,9 @@ def _upcycle(e3, e4, c4: Eagle4Config, s4, steps, synthetic_aux: bool, report: C
             report.notes.append("moe_extra_norm RMS-normalises the MoE output; without fit samples its weight is 1, "
                                 "so the MLP update's scale differs from EAGLE-3's dense MLP")
         else:
-            scale = float(_flat(steps, "mlp").pow(2).mean(-1).sqrt().mean())
+            scale = float(flat_samples(steps, "mlp").pow(2).mean(-1).sqrt().mean())
             init("layer.mlp.output_norm.weight", torch.full((c4.hidden_size,), scale),
                  f"mean RMS of EAGLE-3's MLP output ({scale:.3g}): RMSNorm(moe) ~ dense MLP")
 
 
-__all__ = ["ConversionReport", "Entry", "attention_fit_error", "check_compatible", "collect_eagle3_samples",
-           "eagle3_to_eagle4", "fit_attention_input", "format_report"]
+__all__ = ["ConversionReport", "Entry", "check_compatible", "eagle3_to_eagle4", "format_report"]
