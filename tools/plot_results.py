@@ -280,20 +280,30 @@ def plot_repetition(sources: dict[str, Path], out: Path) -> None:
     plt.close(fig)
 
 
+def _attention_rows(src: Path, scale: float = 1.0) -> dict[tuple, dict[str, float]]:
+    """tools/bench_attention_paged.py rows of ``src`` as {(mode, batch, ctx): {impl: ms * scale}}."""
+    by: dict[tuple, dict[str, float]] = {}
+    for r in json.loads(src.read_text())["rows"]:
+        if "ms" in r:  # not an out-of-memory row
+            by.setdefault((r["mode"], r["batch"], r["ctx"]), {})[r["impl"]] = r["ms"] * scale
+    return by
+
+
+def _case_labels(cases: list[tuple]) -> list[str]:
+    return [f"{m}\nb={b} {c // 1024}K" if c >= 1024 else f"{m}\nb={b} {c}" for m, b, c in cases]
+
+
 def plot_split_rule(sources: dict[str, Path], out: Path) -> None:
     """Issue 13: one layer's paged attention under the small-grid split rule against the bandwidth rule
     alone, per shape, mode, batch and context (tools/bench_attention_paged.py --impls kernel kernel_bw)."""
     fig, axes = plt.subplots(1, len(sources), figsize=(6 * len(sources), 3.8), squeeze=False)
     for ax, (title, src) in zip(axes[0], sources.items()):
-        by: dict[tuple, dict[str, float]] = {}
-        for r in json.loads(src.read_text())["rows"]:
-            by.setdefault((r["mode"], r["batch"], r["ctx"]), {})[r["impl"]] = r["ms"] * 1e3
+        by = _attention_rows(src, 1e3)
         cases = [k for k, v in by.items() if {"kernel", "kernel_bw"} <= set(v)]
         x = range(len(cases))
         ax.bar([i - 0.2 for i in x], [by[c]["kernel_bw"] for c in cases], 0.4, label="before: >= 8 x rows keys a split")
         ax.bar([i + 0.2 for i in x], [by[c]["kernel"] for c in cases], 0.4, label="now: one tile a split when partials fit L2/4")
-        ax.set_xticks(list(x), [f"{m}\nb={b} {c // 1024}K" if c >= 1024 else f"{m}\nb={b} {c}" for m, b, c in cases],
-                      fontsize=6)
+        ax.set_xticks(list(x), _case_labels(cases), fontsize=6)
         ax.set_ylabel("us per layer call (CUDA graph)")
         ax.set_title(f"{title} (H200, bf16)", fontsize=9)
         ax.legend(fontsize=7)
@@ -307,10 +317,7 @@ def plot_split_sweep(sources: dict[str, Path], out: Path) -> None:
     and context (tools/bench_attention_paged.py --splits ...): time / best time, 1.0 = the planner is best."""
     fig, axes = plt.subplots(len(sources), 1, figsize=(13, 3.4 * len(sources)), squeeze=False)
     for ax, (title, src) in zip(axes[:, 0], sources.items()):
-        by: dict[tuple, dict[str, float]] = {}
-        for r in json.loads(src.read_text())["rows"]:
-            if "ms" in r:
-                by.setdefault((r["mode"], r["batch"], r["ctx"]), {})[r["impl"]] = r["ms"]
+        by = _attention_rows(src)
         cases = [k for k, v in by.items() if "kernel" in v and any(i.startswith("kernel_s") for i in v)]
         best = {c: min((t, int(i[8:])) for i, t in by[c].items() if i.startswith("kernel_s")) for c in cases}
         x = range(len(cases))
@@ -318,8 +325,7 @@ def plot_split_sweep(sources: dict[str, Path], out: Path) -> None:
         ax.axhline(1.0, color="k", lw=0.8)
         for i, c in zip(x, cases):
             ax.text(i, by[c]["kernel"] / best[c][0] + 0.02, f"{best[c][1]}", ha="center", fontsize=6)
-        ax.set_xticks(list(x), [f"{m}\nb={b} {c // 1024}K" if c >= 1024 else f"{m}\nb={b} {c}" for m, b, c in cases],
-                      fontsize=6)
+        ax.set_xticks(list(x), _case_labels(cases), fontsize=6)
         ax.set_ylabel("planner / best explicit split count")
         ax.set_title(f"{title}: one layer call in a CUDA graph (H200, bf16); numbers: the best split count", fontsize=9)
     fig.tight_layout()

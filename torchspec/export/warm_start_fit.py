@@ -140,8 +140,5 @@ def fit_attention_input(a4: Tensor, qkv: list[Tensor], g: Tensor, eps: float, re
     return eh.T, qkv_w, errors
 
 
-# --- conversion ------------------------------------------------------------------------------------
-
-
 __all__ = ["RIDGE", "attention_fit_error", "collect_eagle3_samples", "e4_attention_inputs", "fit_attention_input",
            "flat_samples"]

@@ -114,14 +114,18 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _rows_aligned(dtype: torch.dtype, *row_lengths: int) -> bool:
+    """Grouped GEMM kernels need 16-byte aligned row strides of every operand."""
+    return all(n * dtype.itemsize % 16 == 0 for n in row_lengths)
+
+
 def _grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not hasattr(F, "grouped_mm") or a.dtype != b.dtype:
         return False
     if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    # Kernels need 16-byte aligned row strides of both operands. (CUDA fp32/fp16 run through
-    # torch's own fallback, which is correct but synchronises with the host.)
-    return (a.shape[-1] * a.element_size()) % 16 == 0 and (b.shape[-1] * b.element_size()) % 16 == 0
+    # (CUDA fp32/fp16 run through torch's own fallback, which is correct but synchronises with the host.)
+    return _rows_aligned(a.dtype, a.shape[-1], b.shape[-1])
 
 
 def grouped_mm_syncs(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
@@ -130,9 +134,8 @@ def grouped_mm_syncs(device: torch.device, dtype: torch.dtype, hidden: int, inte
     sync is what CUDA graph capture refuses (an fp32 MoE drafter fell back to eager on the H200)."""
     if device.type != "cuda":
         return False  # no graphs off the GPU: a sync costs little there
-    size = torch.empty((), dtype=dtype).element_size()
-    aligned = all(n * size % 16 == 0 for n in (hidden, intermediate, 2 * intermediate))
-    return not (hasattr(F, "grouped_mm") and dtype == torch.bfloat16 and aligned)
+    native = hasattr(F, "grouped_mm") and dtype == torch.bfloat16
+    return not (native and _rows_aligned(dtype, hidden, intermediate, 2 * intermediate))
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
