@@ -31,11 +31,10 @@
 # LR / WARMUP: train.lr / train.warmup_steps (5e-4 / 200). Results gather in $W/res and come back as one
 # $OUT/res_<stage>.tgz per call ($OUT returns at most 8 files); regenerate also returns the regenerated data
 # ($OUT/regen_data.tgz: carry it next time and skip the regeneration with REGEN_TGZ=<its path>).
-# Measured on the H200 (2026-12-01): six runs started together need ~95 s of setup each call (target load and
-# kernel compiles on one shared GPU) before their first step, and a run killed at the limit loses the
-# checkpoint it was writing (train_all now passes train.max_wall_s, so runs stop at a log step with a
-# checkpoint before the kill): give training one long call, SAVE_EVERY a few minutes of steps, and plan
-# RUNS x tokens from ~75K tokens/s summed over the runs (six side by side on one H200).
+# Measured on the H200: runs started together need 24-28 s of setup each call with nproc / runs CPU threads
+# each (2026-12-02; ~95 s when six runs took 16 threads each), and train_all passes train.max_wall_s, so runs
+# stop at a log step with a checkpoint before the kill: give training one long call, SAVE_EVERY a few minutes
+# of steps, and plan RUNS x tokens from ~61-75K tokens/s summed over the runs (five or six on one H200; 67K alone).
 # Measured on one H200 (docs/results.md, "Quality"): regeneration at 11.2K generated tokens/s (c=256), so a
 # whole ShareGPT pass needs more than one call; a stopped regeneration resumes from its finished shards.
 # The device lacks gguf: carry its wheel in .whl (pip download gguf). Training's held-out set is MT-Bench
