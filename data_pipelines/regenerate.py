@@ -23,7 +23,7 @@ prefill forward for the one or two prompts that replace them (launch-bound: abou
 many prompts). ``prefill_wait`` (steps) lets those prompts gather into one prefill forward while the
 other rows decode (``torchspec/runtime/scheduler.py``); greedy outputs do not depend on it.
 
-Several GPUs: ``num_workers=N`` starts N worker processes (worker w on ``cuda:w``; on the CPU, N
+Several GPUs: ``num_workers=N`` starts N worker processes (worker w on ``cuda:(w % GPUs)``; on the CPU, N
 processes), deals the shards round-robin (worker w regenerates shard k iff k % N == w), and marks the
 output complete once every worker has finished. Greedy output is the same for any N; a sampled run is
 reproducible for a fixed N and concurrency.
@@ -94,7 +94,8 @@ class RegenerateConfig:
     chat_template: str | None = None  # Jinja template overriding the tokenizer's
     page_size: int = 16
     cache_dir: str = "~/.cache/torchspec"
-    num_workers: int = 1  # worker processes, one per GPU (cuda:0..N-1); shards dealt round-robin
+    num_workers: int = 1  # worker processes, worker w on cuda:(w % GPUs) (more than one a GPU overlaps one's
+    #                       host bookkeeping with another's forwards); shards dealt round-robin
     prefill_wait: int = 8  # steps a new turn's prompt may wait to share a prefill forward (0 = at once)
 
 
@@ -109,12 +110,8 @@ def check_config(cfg: RegenerateConfig) -> SamplingParams:
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={cfg.device}: no CUDA device is visible here; pass device=cpu or device=auto.")
     if cfg.num_workers > 1 and cfg.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={cfg.device} with num_workers={cfg.num_workers}: worker w uses cuda:w; pass "
-                         "device=cuda (or auto) and make the GPUs to use visible with CUDA_VISIBLE_DEVICES.")
-    visible = torch.cuda.device_count() if cfg.device != "cpu" else 0
-    if cfg.num_workers > 1 and visible and cfg.num_workers > visible:
-        raise ValueError(f"num_workers={cfg.num_workers}: only {visible} CUDA device(s) are visible; pass "
-                         f"num_workers={visible} or fewer.")
+        raise ValueError(f"device={cfg.device} with num_workers={cfg.num_workers}: worker w uses cuda:(w % GPUs); "
+                         "pass device=cuda (or auto) and make the GPUs to use visible with CUDA_VISIBLE_DEVICES.")
     if cfg.dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"dtype={cfg.dtype!r} is not one of ['auto', 'float32', 'bfloat16'].")
     if cfg.drafter is not None:
@@ -288,15 +285,14 @@ def _worker_main(worker: int, results, *args) -> None:
 
 def regenerate_worker(worker: int, cfg: RegenerateConfig, device_type: str, dtype: torch.dtype, target_path: str,
                       identity: dict, generation: dict | None, intact: set[int]) -> Counter:
-    """One worker: its own engine on ``cuda:worker`` (or the CPU); worker 0 writes generation.json, every
-    worker checks the target's weights against a resumed output's."""
+    """One worker: its own engine on ``worker_device`` (the CPU, or a GPU it may share with other workers);
+    worker 0 writes generation.json, every worker checks the target's weights against a resumed output's."""
     from torchspec.targets import load_tokenizer
 
-    device = torch.device(f"cuda:{worker}" if device_type == "cuda" else "cpu")
+    device = worker_device(worker, device_type, torch.cuda.device_count() if device_type == "cuda" else 0)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.num_workers))  # the workers share the host's cores
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.num_workers))
     engine = build_engine(cfg, target_path, device, dtype)
     tokenizer = engine.tokenizer or load_tokenizer(target_path)
     if cfg.chat_template is not None:
@@ -308,6 +304,12 @@ def regenerate_worker(worker: int, cfg: RegenerateConfig, device_type: str, dtyp
     sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     owned = lambda shard: shard % cfg.num_workers == worker  # noqa: E731
     return regenerate_shards(cfg, engine, tokenizer, sampling, out, intact, owned=owned, position=worker)
+
+
+def worker_device(worker: int, device_type: str, gpus: int) -> torch.device:
+    """Worker ``worker``'s device: GPUs round-robin (``cuda:(worker % gpus)``), so more workers than GPUs share
+    them: while one worker's host prepares its next step, another's forward keeps the GPU busy."""
+    return torch.device(f"cuda:{worker % gpus}") if device_type == "cuda" else torch.device("cpu")
 
 
 def open_output(out: Path, identity: dict) -> dict | None:

@@ -22,6 +22,8 @@
 #   The calls must follow each other within the machine's 30 s idle window, or /tmp is gone.
 #
 # stage: SWEEP=1 times the attention planner's split counts against explicit ones (alone on the GPU: call 1);
+# PROFILE=1 profiles a SmolLM2-shaped round phase by phase (tools/profile_round.py);
+# regenerate: REGEN_WORKERS worker processes (default one a GPU; more share the GPUs) of REGEN_CONC requests;
 # GPU_TESTS="files" runs those GPU tests (GPU_TEST_S seconds), in stage or beside regenerate's generation.
 # regenerate with REGEN_TGZ="<regen_data.tgz> [regen_b_data.tgz ...]" (earlier calls') skips the regeneration;
 # MORECONV=N then answers the source's next N records into the next run, regen_b, regen_c, ... (returned as
@@ -104,6 +106,17 @@ attention_sweep() {  # issue 13: the planner's split count against explicit ones
     --json "$RES/attention_split_sweep_qwen3_8b_one_long.json" > "$RES/attention_split_sweep_qwen3_8b_one_long.log" 2>&1
   tail -n 2 "$RES"/attention_split_sweep_*.log
 }
+round_profile() {  # issue 13: a SmolLM2-shaped round phase by phase (cold Triton / inductor compiles: 200 s)
+  timeout 200 python3 tools/profile_round.py --shape smollm2-135m --batch 1,8 --ctx 512 \
+    --json "$RES/round_profile_smollm2.json" > "$RES/round_profile_smollm2.log" 2>&1
+  tail -n 14 "$RES/round_profile_smollm2.log"
+}
+regenerate_sharegpt() {  # $1: seconds; REGEN_WORKERS processes (default one a GPU) of REGEN_CONC requests each
+  timeout -s INT "$1" python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
+    source="$W/sg_users.jsonl" output="$W/regen" cache_dir="$W/cache" num_workers=${REGEN_WORKERS:-$NGPU} \
+    concurrency=${REGEN_CONC:-$(( 256 / NGPU ))} max_conversations="${MAXCONV:-6000}" max_new_tokens=768 \
+    max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 | tee -a "$RES/regenerate.log"
+}
 merge_regenerations() {  # $1: the JSONL to write, then the finished regeneration directories, every shard verified
   python3 - "$@" <<'PY'
 import json, sys
@@ -128,6 +141,7 @@ stage)
   cp "$CARRY/.carryA/smol.part1" "$W/" && gunzip -c "$CARRY/.carryA/sg_users.jsonl.gz" > "$W/sg_users.jsonl"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/gpu.txt"
   [ -n "${SWEEP:-}" ] && attention_sweep
+  [ -n "${PROFILE:-}" ] && round_profile
   [ -n "${GPU_TESTS:-}" ] && gpu_tests
   set -- stage
   ;;
@@ -166,10 +180,12 @@ print(sum(json.load(open(d + '/generation.json'))['settings']['max_conversations
   python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" source="$W/mtbench.jsonl" output="$W/regen_mtbench" \
     cache_dir="$W/cache" concurrency=80 max_new_tokens=${HELDOUT_TOKENS:-256} max_context=2048 2>&1 | tail -1 | tee -a "$RES/regenerate.log"
   # MAXCONV: ShareGPT conversations to answer; at the H200's 11.2K tokens/s about 6,000 fit one call
-  timeout -s INT $(( $(left) - 30 )) python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
-    source="$W/sg_users.jsonl" output="$W/regen" cache_dir="$W/cache" num_workers=$NGPU concurrency=$(( 256 / NGPU )) \
-    max_conversations="${MAXCONV:-6000}" max_new_tokens=768 max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 \
-    | tee -a "$RES/regenerate.log"
+  regenerate_sharegpt $(( $(left) - 30 ))
+  if ! grep -qs '"complete": true' "$W/regen/generation.json" && [ "${REGEN_WORKERS:-$NGPU}" != "$NGPU" ] \
+      && [ "$(left)" -gt 150 ]; then  # several workers a GPU failed: resume their finished shards with one a GPU
+    echo "regeneration with ${REGEN_WORKERS} workers did not finish: resuming with $NGPU" | tee -a "$RES/regenerate.log"
+    REGEN_WORKERS=$NGPU REGEN_CONC=$(( 256 / NGPU )) regenerate_sharegpt $(( $(left) - 30 ))
+  fi
   cp "$W/regen/generation.json" "$RES/" 2>/dev/null
   tar czf "$OUT/regen_data.tgz" -C "$W" regen regen_mtbench
   grep -q '"complete": true' "$W/regen/generation.json" && train_all $(( $(left) - 15 ))

@@ -20,7 +20,7 @@ import shutil
 import pytest
 
 from data_pipelines import regenerate as regenerate_module
-from data_pipelines.regenerate import RegenerateConfig, TurnRegenerator, main, regenerate
+from data_pipelines.regenerate import RegenerateConfig, TurnRegenerator, main, regenerate, worker_device
 from torchspec.data import build_datasets
 from torchspec.data.regenerated import CorruptShard, verify_shard, write_shard
 from torchspec.runtime.loading import load_engine
@@ -272,11 +272,18 @@ def test_two_workers_deal_the_shards_and_write_the_same_output(finished, target,
     assert "nothing to do" in capsys.readouterr().out
 
 
-def test_more_workers_than_gpus_is_refused(target, source, tmp_path, monkeypatch):
+def test_workers_share_the_gpus_round_robin():
+    """More workers than GPUs share them (one's host work overlaps another's forwards): worker w on cuda:(w % GPUs)."""
+    assert [str(worker_device(w, "cuda", 2)) for w in range(5)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    assert [str(worker_device(w, "cuda", 1)) for w in range(2)] == ["cuda:0", "cuda:0"]
+    assert str(worker_device(3, "cpu", 0)) == "cpu"
+
+
+def test_workers_on_a_named_gpu_are_refused(target, source, tmp_path, monkeypatch):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    with pytest.raises(ValueError, match=r"num_workers=3: only 2 CUDA device\(s\) are visible; pass num_workers=2"):
-        regenerate(config(target, source, tmp_path / "o", device="cuda", num_workers=3))
+    with pytest.raises(ValueError, match=r"device=cuda:1 with num_workers=3: worker w uses cuda:\(w % GPUs\)"):
+        regenerate(config(target, source, tmp_path / "o", device="cuda:1", num_workers=3))
     assert not (tmp_path / "o").exists()
 
 
