@@ -188,6 +188,7 @@ print(sum(json.load(open(d + '/generation.json'))['settings']['max_conversations
   fi
   cp "$W/regen/generation.json" "$RES/" 2>/dev/null
   tar czf "$OUT/regen_data.tgz" -C "$W" regen regen_mtbench
+  wait  # the GPU tests
   grep -q '"complete": true' "$W/regen/generation.json" && train_all $(( $(left) - 15 ))
   ;;
 train)
