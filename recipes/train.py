@@ -257,7 +257,8 @@ def train(raw: DictConfig) -> None:
                            cfg.name, resume_step=step if resume_from else None, enabled=rank0)
     log.info("setup took %.1fs", time.time() - started)
 
-    limit = WallClockLimit(started, t.max_wall_s)
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in engine.drafter.parameters() if p.requires_grad)
+    limit = WallClockLimit(started, t.max_wall_s, state_bytes)  # weights + Adam's two moments
     stall = StallWatch(t.stall_dump_s, out_dir / (f"stalls_rank{info.rank}.txt" if info.world_size > 1 else "stalls.txt"))
 
     def run_eval() -> dict[str, float]:

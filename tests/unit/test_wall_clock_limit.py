@@ -12,8 +12,8 @@ def test_no_limit_never_stops():
 
 
 def test_stops_when_the_next_interval_and_its_save_would_not_fit():
-    limit = WallClockLimit(started=100.0, max_wall_s=60.0)  # deadline 160
-    limit.interval_s = 10.0  # before any save was timed, a save counts as one interval: need 1.25 * 20 = 25
+    limit = WallClockLimit(started=100.0, max_wall_s=60.0, state_bytes=int(2e9))  # deadline 160
+    limit.interval_s = 10.0  # before any save was timed, a save writes 2 GB at 0.2 GB/s: need 1.25 * 20 = 25
     assert not limit.should_stop(134.0, eval_next=False)
     assert limit.should_stop(136.0, eval_next=False)
     limit.save_s = 2.0  # need 1.25 * 12 = 15
@@ -35,3 +35,12 @@ def test_the_limit_is_operational_and_must_be_positive(tmp_path):
         build_config(raw)
     assert build_config(compose_config(["train.max_wall_s=30.5"])).train.max_wall_s == 30.5
     assert OmegaConf.select(compose_config([]), "train.max_wall_s") is None
+
+
+def test_a_cold_first_interval_does_not_stop_a_run_with_time_left():
+    """The H200 case: the first 25 steps took 50 s with the compiles, the step-0 evaluation 43 s, 123 s had gone
+    of a 285 s window, and no save was timed yet (40M parameters): the run goes on (it stopped here before)."""
+    limit = WallClockLimit(started=0.0, max_wall_s=285.0, state_bytes=3 * 4 * 40_000_000)
+    limit.interval_s, limit.eval_s = 50.0, 43.0
+    assert not limit.should_stop(123.0, eval_next=True)
+    assert limit.should_stop(170.0, eval_next=True)
