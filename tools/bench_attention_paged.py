@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from torchspec.runtime.paged_kv import build_attention_meta, paged_attention_reference
+from torchspec.runtime.paged_kv import build_attention_meta, paged_attention_reference, table_columns
 from torchspec.runtime.tree import tree_attention_mask
 
 MODES = {"decode": 1, "chain6": 6, "tree16": 17, "tree32": 33, "prefill512": 512}  # new tokens per row
@@ -63,7 +63,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-context", type=int, default=32768, help="block table width in tokens")
     p.add_argument("--lengths", choices=LENGTHS, default="uniform",
                    help="rows' committed lengths: every row ctx; spread from ctx/B to ctx; or one row of ctx among "
-                        "rows of ctx/16 (what the planner's split-per-4K-table-keys rule is for)")
+                        "rows of ctx/16 (what the planner's long-row rule is for)")
+    p.add_argument("--table", choices=("engine", "full"), default="engine",
+                   help="block-table columns a forward gets: the engine's (its longest row's power-of-two bucket, "
+                        "paged_kv.table_columns; the planner sees that width) or the whole --max-context table")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -162,6 +165,8 @@ def make_case(args, batch: int, ctx: int, tq: int, seed: int = 0, mode: str = "t
                                * torch.arange(1, tq)).long()]) for _ in range(batch)])
         tree = tree_attention_mask(parents)
     ctx_len = torch.tensor(lens, dtype=torch.long)
+    if getattr(args, "table", "engine") == "engine":  # the columns the engine passes: its longest row's bucket
+        bt = bt[:, :table_columns(max(lens) + tq, page, pages_per_row)]
     meta = build_attention_meta(bt.to(dev), ctx_len.to(dev), tree.to(dev), page)
     return q, k_pool, v_pool, meta
 
@@ -199,7 +204,7 @@ def time_ms(args, call) -> float:
 
 def _bandwidth_rule(attend, *args):
     """``attend(*args)`` planned with the large-grid chunk rule alone (``bandwidth_split_rule``)."""
-    from torchspec.runtime.paged_attention_triton import bandwidth_split_rule
+    from torchspec.runtime.attention_plan import bandwidth_split_rule
 
     with bandwidth_split_rule():
         return attend(*args)
@@ -229,6 +234,7 @@ def bench_case(args, mode: str, batch: int, ctx: int, copy: float) -> list[dict]
         ms = time_ms(args, calls[impl])
         gbps = needed / (ms * 1e-3) / 1e9
         rows.append(dict(mode=mode, tq=tq, batch=batch, ctx=ctx, lengths=args.lengths, impl=impl, ms=ms, kv_gbps=gbps,
+                         table_keys=meta.block_table.shape[1] * meta.page_size,
                          of_copy=gbps / copy, mask_ms=mask_ms if impl == "reference" else 0.0,
                          max_err=max_err))
     return rows
@@ -267,7 +273,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         meta = dict(device=str(args.device), torch=torch.__version__, copy_gbps=copy, heads=args.heads,
                     kv_heads=args.kv_heads, head_dim=args.head_dim, page_size=args.page_size,
-                    max_context=args.max_context, lengths=args.lengths, dtype=str(args.dtype).removeprefix("torch."),
+                    max_context=args.max_context, lengths=args.lengths, table=args.table, dtype=str(args.dtype).removeprefix("torch."),
                     gpu=torch.cuda.get_device_name() if args.device.type == "cuda" else None)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"setup": meta, "rows": rows}, indent=1))

@@ -53,7 +53,8 @@ def main() -> None:
     params = SamplingParams()
 
     def step():
-        return plain_step(engine.decoder, engine.caches, engine.block_table[:b], ctx, root, valid, params, None)
+        bt = engine.block_table[:b, :engine.table_columns_for(args.ctx + 1)]  # the columns the engine's step reads
+        return plain_step(engine.decoder, engine.caches, bt, ctx, root, valid, params, None)
 
     graph_ms = graph_replay_ms(step)
     from torch.profiler import ProfilerActivity, profile

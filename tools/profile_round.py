@@ -81,7 +81,7 @@ def batch_phases(engine, args, b: int, params) -> dict:
     dev, vocab = torch.device("cuda"), engine.decoder.vocab_size
     runner, caches = engine.runner, engine.caches
     aux_ids = tuple(runner.config.aux_layer_ids)
-    bt = engine.block_table[:b]
+    bt = engine.block_table[:b, :engine.table_columns_for(args.ctx + 64)]  # the columns the engine's round reads
     ctx = torch.full((b,), args.ctx, dtype=torch.long, device=dev)
     valid = torch.ones(b, dtype=torch.bool, device=dev)
     root = torch.randint(0, vocab, (b,), device=dev)
@@ -137,7 +137,7 @@ def main() -> None:
                         "splits for small grids), to compare both in one call")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    from torchspec.runtime.paged_attention_triton import bandwidth_split_rule
+    from torchspec.runtime.attention_plan import bandwidth_split_rule
 
     rule = bandwidth_split_rule() if args.attn_chunk_rule == "bandwidth" else contextlib.nullcontext()
     with rule:  # for the whole run: every graph is captured under it

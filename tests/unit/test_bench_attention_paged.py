@@ -93,14 +93,13 @@ def test_smoke_kernels_under_the_interpreter(tmp_path):
     assert all(r["max_err"] < 1e-5 for r in rows), [r["max_err"] for r in rows]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not importable")
 @pytest.mark.parametrize("batch,tq,dtype", [(1, 1, torch.bfloat16), (64, 1, torch.bfloat16), (8, 33, torch.bfloat16),
                                             (64, 33, torch.bfloat16), (2, 512, torch.bfloat16), (4, 17, torch.float32)])
 def test_launch_plan_is_bounded(batch, tq, dtype):
     """Split counts and tiles are legal for the grid, and unless every split's fp32 partials fit in a
     quarter of L2 (small, latency-bound grids), a split's partials stay <= 1/4 of the bf16 KV bytes
     its chunk reads (the reason for ``min_chunk``)."""
-    from torchspec.runtime.paged_attention_triton import SPLIT_MAX_TQ, _l2_bytes, plan
+    from torchspec.runtime.attention_plan import SPLIT_MAX_TQ, _l2_bytes, plan
 
     cfg = plan(batch, 8, tq, 4, 128, 32768, dtype, torch.device("cpu"))
     assert cfg["split"] == (tq <= SPLIT_MAX_TQ)
@@ -114,13 +113,12 @@ def test_launch_plan_is_bounded(batch, tq, dtype):
         assert partial_bytes <= kv_bytes / 4
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not importable")
 def test_launch_plan_spreads_a_short_tree_verify_over_the_machine(monkeypatch):
     """SmolLM2's 16-node tree verify at batch 1 (3 KV heads, 17 queries x 3 heads): its partials fit in
     L2, so one key tile per split and a 512-key prefix runs on 8 splits in parallel, not 2 serial
     chunks of 448 keys (the measured 4x of decode's attention time this replaced); at Qwen3-8B's
     batch 64 x 32K the bandwidth rule still holds."""
-    import torchspec.runtime.paged_attention_triton as kernels
+    import torchspec.runtime.attention_plan as kernels
 
     monkeypatch.setattr(kernels, "_num_sms", lambda device: 132)  # planned for an H200 (132 SMs, 50 MiB L2)
     monkeypatch.setattr(kernels, "_l2_bytes", lambda device: 50 << 20)
@@ -134,11 +132,11 @@ def test_launch_plan_spreads_a_short_tree_verify_over_the_machine(monkeypatch):
     assert plan(1, 3, 17, 3, 64, 1024, torch.bfloat16, torch.device("cpu")) == small  # restored after the block
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not importable")
 def test_launch_plan_keeps_split_programs_within_two_waves(monkeypatch):
-    """Splits x programs never exceed two programs per SM: Qwen3-8B's batch-8 tree verify (64 programs)
-    takes 4 splits, not the 5 that rounding up gave and that measured 12% slower (a third wave)."""
-    import torchspec.runtime.paged_attention_triton as kernels
+    """Splits x programs stay within two programs per SM unless one row alone needs more (the long-row rule, at
+    most 4 splits for these 4,096 keys): Qwen3-8B's batch-8 tree verify (64 programs) takes 4 splits, not the 5
+    that rounding up gave and that measured 12% slower (a third wave)."""
+    import torchspec.runtime.attention_plan as kernels
 
     monkeypatch.setattr(kernels, "_num_sms", lambda device: 132)
     monkeypatch.setattr(kernels, "_l2_bytes", lambda device: 50 << 20)
@@ -172,3 +170,18 @@ def test_ragged_rows_and_chain_cases(bench):
     scores = torch.einsum("htd,shd->hts", q[1], k) * 8 ** -0.5
     scores = scores.masked_fill(~torch.ones(6, 8, dtype=torch.bool).tril(2), float("-inf"))
     assert torch.allclose(out[1], torch.einsum("hts,shd->htd", scores.softmax(-1), v), atol=1e-5)
+
+
+def test_launch_plan_for_ragged_rows_follows_the_seventh_sessions_sweep(monkeypatch):
+    """The split counts the H200 sweep of one long row among short ones measured best
+    (docs/bench/attention_split_sweep_qwen3_8b_one_long_s7_h200.json; Qwen3-8B heads, 32/8, d 128):
+    a chain verify at batch 8 with an 8K row: 16 splits (51.5 us; the old rule's 4 took 90.6 us); at batch 64
+    with 512-key rows (a 1,024-key bucket): 1 split (34.4 us against 70.9 us for 3 over the whole 8K table)."""
+    import torchspec.runtime.attention_plan as kernels
+
+    monkeypatch.setattr(kernels, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(kernels, "_l2_bytes", lambda device: 50 << 20)
+    cpu = torch.device("cpu")
+    assert kernels.plan(8, 8, 6, 4, 128, 16384, torch.bfloat16, cpu)["num_splits"] == 16
+    assert kernels.plan(64, 8, 6, 4, 128, 1024, torch.bfloat16, cpu)["num_splits"] == 1
+    assert kernels.plan(64, 8, 17, 4, 128, 1024, torch.bfloat16, cpu)["num_splits"] == 1

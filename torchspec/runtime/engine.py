@@ -42,7 +42,7 @@ import torch
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
 from torchspec.runtime.graphs import StepGraphs
-from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator, PagedKVCache
+from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator, PagedKVCache, table_columns
 from torchspec.runtime.prefix_cache import TARGET_ONLY, WITH_DRAFTER, PrefixCache
 from torchspec.runtime.recurrent_state import RecurrentState
 from torchspec.runtime.sampling import RowSampling, SamplingParams
@@ -261,11 +261,12 @@ class SpeculativeEngine:
             ids += [0] * (width - n)
             sch.ensure_pages(i, s.ctx + n)
         sch.flush_table()
+        cols = self.table_columns_for(max(c + n for c, n in zip(ctx, lengths)))
         packed = host_to_device(rows + lengths + ctx + follow + ids, torch.long, self.device)  # one copy
         index, lengths_d, ctx_d, follow_d = (packed[k * b:(k + 1) * b] for k in range(4))
         greedy = all(slots[i].request.sampling.greedy for i in rows)
         out = prefill(self.decoder, self.runner if self.spec is not None else None, self.caches,
-                      self.block_table[index], packed[4 * b:].view(b, width), lengths_d,
+                      self.block_table[index, :cols], packed[4 * b:].view(b, width), lengths_d,
                       self._sampling(rows, rows, greedy), self.generator, slots=index, ctx=ctx_d,
                       next_tokens=follow_d)
         self._store(index, out)
@@ -307,7 +308,8 @@ class SpeculativeEngine:
             index, ctx = packed[: len(rows)], packed[len(rows):]
             valid = torch.ones(len(rows), dtype=torch.bool, device=self.device)
             position = range(len(rows))
-        bt = self.block_table[index]
+        cols = self.table_columns_for(max(slots[i].ctx for i in rows) + per_round)
+        bt = self.block_table[index, :cols]
         params = self._sampling(rows, active, greedy)
         generator = self.generator if self.graphs is None else None
         if spec is None:
@@ -321,7 +323,7 @@ class SpeculativeEngine:
                                        feedback=self.feedback[index], ctx_len=ctx, block_table=bt, row_valid=valid),
                     "slots": index, "params": params}
         kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
-        key = ("plain" if spec is None else "spec", len(active), spec, kind)
+        key = ("plain" if spec is None else "spec", len(active), spec, kind, cols)
         out = step(**args) if self.graphs is None else self._run_graph(key, step, args)
         self._store(index, out)
         committed = torch.cat([out.count[:, None], out.tokens], 1).tolist()  # the round's one host sync
@@ -333,6 +335,10 @@ class SpeculativeEngine:
             result = s.request.result
             result.decode_s += dt
             result.accept_lengths.append(sch.commit(i, tokens[:count]))  # a stop or the limit may cut the round
+
+    def table_columns_for(self, keys: int) -> int:
+        """``paged_kv.table_columns`` of this engine's table: each width is its own CUDA graph."""
+        return table_columns(keys, self.page_size, self.pages_per_row)
 
     def _run_graph(self, key, step, args: dict):
         """``graphs.run``; a hybrid target's graph is captured on idle inputs (every row invalid), so

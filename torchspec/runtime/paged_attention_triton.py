@@ -37,14 +37,12 @@ about as exact as the reference.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-SPLIT_MAX_TQ = 64  # above this many queries per row: direct (prefill) mode
+from torchspec.runtime.attention_plan import SPLIT_MAX_TQ, bandwidth_split_rule, plan
+
 MAX_HEAD_DIM = 256
 NO_WINDOW = 1 << 30
 
@@ -165,78 +163,9 @@ def _combine(o_part, lse_part, out, num_kv_heads, tq, num_parts, so_b, so_t, so_
     tl.store(out + b * so_b + (m // GROUP) * so_t + head * so_h + offs_d, res.to(out.dtype.element_ty), mask=d_ok)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter: any value exercises the same code
-
-
-@functools.cache
-def _l2_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).L2_cache_size
-    return 50 << 20  # the interpreter: an H200's L2
-
-
-_SMALL_GRID_SPLITS = [True]  # False inside ``bandwidth_split_rule``
-
-
-@contextlib.contextmanager
-def bandwidth_split_rule():
-    """Plan (and so capture) attention inside this block with the large-grid chunk rule only -- splits of
-    >= 8 x rows keys, the rule before small grids took one-tile splits -- to measure both rules in one run
-    (``tools/bench_attention_paged.py --impls kernel_bw``, ``tools/profile_round.py --attn-chunk-rule``)."""
-    _SMALL_GRID_SPLITS[0] = False
-    try:
-        yield
-    finally:
-        _SMALL_GRID_SPLITS[0] = True
-
-
 def supports(q: torch.Tensor) -> bool:
     """Whether the kernels take this head size (16..256, any; padded to a power of two)."""
     return 16 <= q.shape[-1] <= MAX_HEAD_DIM
-
-
-def plan(batch: int, kv_heads: int, tq: int, group: int, head_dim: int, max_keys: int, dtype: torch.dtype,
-         device: torch.device, num_splits: int | None = None) -> dict:
-    """Static launch parameters for a shape (never a length: they must not change between graph replays).
-
-    Tile sizes keep every variant free of register spills on sm_90 (checked with ptxas through
-    ``triton.compile``): bf16/fp16 take 16..128 query rows and 32..64 keys per step; fp32, whose
-    3xTF32 dot products need three operand copies, takes 16 x 32."""
-    block_d = triton.next_power_of_2(head_dim)
-    rows = tq * group
-    split = tq <= SPLIT_MAX_TQ
-    if dtype == torch.float32:
-        block_m, block_n = 16, 32
-    elif split:
-        block_m = min(128 if block_d <= 128 else 64, max(16, triton.next_power_of_2(rows)))
-        block_n = 64 if block_d <= 128 and block_m <= 64 else 32
-    else:
-        block_m, block_n = (128, 64) if block_d <= 128 else (64, 32)
-    m_blocks = triton.cdiv(rows, block_m)
-    if split and num_splits is None:
-        programs = batch * kv_heads * m_blocks
-        # a long row alone still fills the machine, in at most two waves of programs per SM: rounding up
-        # measured 12% slower at Qwen3-8B's 64 programs (batch 8 tree verify: 5 splits spill a third wave)
-        num_splits = max(1, 2 * _num_sms(device) // programs)
-        num_splits = max(num_splits, triton.cdiv(max_keys, 4096))  # ... and so does one long row among short ones
-        num_splits = min(num_splits, triton.cdiv(max_keys, block_n), 128)
-    # A split writes rows x D fp32 partials that _combine reads back. When every split's partials fit in
-    # a quarter of L2 they never reach HBM: the grid is small and latency-bound (tree and chain verify,
-    # drafter forwards at low batch), so a split may be one key tile and a short row still spreads over
-    # the machine. Otherwise partials stay <= 1/4 of the KV bytes a chunk reads.
-    partial_bytes = batch * kv_heads * rows * ((num_splits or 1) + 1) * head_dim * 4
-    if split and _SMALL_GRID_SPLITS[0] and partial_bytes <= _l2_bytes(device) // 4:
-        min_chunk = block_n
-    else:
-        min_chunk = triton.cdiv(max(block_n, 8 * rows), block_n) * block_n
-    return dict(split=split, num_splits=num_splits if split else 1, block_m=block_m, block_n=block_n,
-                block_d=block_d, m_blocks=m_blocks, min_chunk=min_chunk,
-                num_warps=4 if block_m <= 32 else 8, num_stages=3 if split else 2,
-                precision="tf32x3" if dtype == torch.float32 else "tf32")  # fp32: ~fp32 accuracy on tensor cores
 
 
 def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta,

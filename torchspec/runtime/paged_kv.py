@@ -164,6 +164,18 @@ class AttentionMeta:
         return (committed | (in_new & tree_ok))[:, None]
 
 
+# A forward reads the block table's first columns only: up to its longest row's keys, rounded up to a power of two
+# and at least this many. The attention plan (its split count) then follows the batch's lengths, not max_context.
+MIN_TABLE_KEYS = 1024
+
+
+def table_columns(keys: int, page_size: int, max_columns: int, min_keys: int | None = None) -> int:
+    """Block-table columns a forward over rows of at most ``keys`` keys (committed + this forward's) reads:
+    ``keys`` rounded up to a power of two, at least ``min_keys`` (default ``MIN_TABLE_KEYS``), at most the table."""
+    bucket = max(MIN_TABLE_KEYS if min_keys is None else min_keys, 1 << max(0, keys - 1).bit_length())
+    return min(max_columns, -(-bucket // page_size))
+
+
 def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """Logical positions [B, T] -> flat slots [B, T] through the rows' block tables [B, P].
 
