@@ -39,6 +39,7 @@ from torchspec.cli import (
 from torchspec.config import DrafterConfig
 from torchspec.data import collate, read_conversations, tokenize_conversation
 from torchspec.data.dataset import Example
+from torchspec.data.formats import SkipConversation
 from torchspec.export.eagle3_layouts import load_layout, read_layout_config
 from torchspec.export.warm_start import check_compatible, eagle3_to_eagle4, format_report
 from torchspec.io import atomic_save_dir
@@ -157,19 +158,29 @@ def check_target(e3_cfg, target_cfg) -> None:
                          + "); pass the target the drafter was trained on.")
 
 
-@torch.no_grad()
-def fit_batch(args: argparse.Namespace, target: TargetDecoder, tokenizer,
-              conversations: list | None) -> dict[str, torch.Tensor]:
-    """[N, T] token ids (+ attention mask) to run EAGLE-3 on for the fit: ``conversations`` (--fit-data,
-    read before anything loaded), or text the target samples."""
-    if conversations is not None:
-        examples = []
-        for messages in conversations:
+def fit_conversations(args: argparse.Namespace, tokenizer, conversations: list) -> dict[str, torch.Tensor]:
+    """The --fit-data batch, before any weights load: the first --fit-samples conversations that keep an
+    assistant token within --fit-length tokens (a long first user turn leaves none), as [N, T] ids + mask."""
+    examples, skipped = [], 0
+    for messages in conversations:
+        try:
             ids, mask = tokenize_conversation(tokenizer, messages, args.fit_length)
-            examples.append(Example(torch.tensor(ids), torch.tensor(mask)))
-        if not examples:
-            raise ValueError(f"--fit-data={args.fit_data!r} holds no usable conversation.")
-        return collate(examples, tokenizer.pad_token_id or 0)
+        except SkipConversation:
+            skipped += 1
+            continue
+        examples.append(Example(torch.tensor(ids), torch.tensor(mask)))
+        if len(examples) == args.fit_samples:
+            break
+    if not examples:
+        raise ValueError(f"--fit-data={args.fit_data!r} holds no conversation with an assistant token in its first "
+                         f"--fit-length={args.fit_length} tokens ({skipped} skipped); pass a longer --fit-length or "
+                         "other conversations.")
+    return collate(examples, tokenizer.pad_token_id or 0)
+
+
+@torch.no_grad()
+def sampled_fit_batch(args: argparse.Namespace, target: TargetDecoder) -> dict[str, torch.Tensor]:
+    """Without --fit-data: --fit-samples sequences of --fit-length tokens the target samples from random starts."""
     gen = torch.Generator().manual_seed(args.seed)
     start = torch.randint(0, target.vocab_size, (args.fit_samples, 1), generator=gen)
     # The target samples the rest (top-k 50, transformers' default) through the serving engine.
@@ -199,8 +210,10 @@ def convert(args: argparse.Namespace) -> None:
     aux_ids = list(e3_config.aux_layer_ids)
     e4_config = drafter_config_from_target(build_drafter_config(args, e3_config), target_cfg, aux_ids)
     check_compatible(e3_config, e4_config)
-    conversations = read_conversations(args.fit_data, limit=args.fit_samples)[0] if args.fit_data else None
     tokenizer = load_tokenizer(target_path)
+    # a few more records than --fit-samples: the ones without a reply token within --fit-length are skipped
+    batch = fit_conversations(args, tokenizer, read_conversations(args.fit_data, limit=4 * args.fit_samples)[0]) \
+        if args.fit_data else None
 
     target = TargetDecoder.from_pretrained(target_path, aux_layer_ids=aux_ids)
     if args.layout == "torchspec":
@@ -208,7 +221,7 @@ def convert(args: argparse.Namespace) -> None:
     else:  # a checkpoint without the embedding takes the target's
         e3 = load_layout(args.eagle3_dir, args.layout, target_num_layers=target.num_layers,
                          embed_weight=target.embed_tokens_weight)
-    batch = fit_batch(args, target, tokenizer, conversations)
+    batch = batch if batch is not None else sampled_fit_batch(args, target)
     out = target.capture(batch["input_ids"], attention_mask=batch["attention_mask"])
     e4, report = eagle3_to_eagle4(e3, e4_config, target_lm_head=target.lm_head_weight,
                                   fit_tokens=batch["input_ids"], fit_aux=out.aux_hidden_states,

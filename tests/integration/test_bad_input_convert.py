@@ -76,6 +76,14 @@ def a_file(tmp, world):
 
 # (id, argv after "E3 OUT" -- E3 defaults to the world's torchspec EAGLE-3 drafter; {made} replaces it when
 # the setup returns a drafter directory --, culprit, setup). Placeholders: {tmp}, {made}, {e3}, {sg}, {target}.
+def late_replies(tmp_path, world):
+    """Conversations whose first user turn fills --fit-length 8: each is skipped, none is left."""
+    import json
+
+    rows = [{"messages": [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "ok"}]}] * 3
+    (tmp_path / "late.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 CASES = [
     ("e3_missing", "{tmp}/nope", [], "{tmp}/nope", None),
     ("e3_is_a_file", "{made}", [], "{made}", a_file),
@@ -102,6 +110,8 @@ CASES = [
     ("fit_data_missing", "{e3}", ["--fit-data", "{tmp}/nope.jsonl", "--set", "lm_head_rank=0"], "{tmp}/nope.jsonl",
      None),
     ("fit_data_directory", "{e3}", ["--fit-data", "{tmp}", "--set", "lm_head_rank=0"], "is a directory", None),
+    ("fit_data_replies_too_late", "{e3}", ["--fit-data", "{tmp}/late.jsonl", "--fit-length", "8", "--set",
+                                           "lm_head_rank=0"], "no conversation with an assistant token", late_replies),
     ("head_rank_too_big", "{e3}", [], "lm_head_rank=128", None),  # the eagle4 preset's rank on a hidden-64 target
     ("layout_unknown", "{e3}", ["--layout", "eagle"], "--layout", None),
 ]

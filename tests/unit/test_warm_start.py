@@ -67,17 +67,29 @@ def test_report_lists_every_key_once(flags):
         assert key in table, key
 
 
-def test_lm_head_rows_follow_d2t_and_the_target():
+def test_lm_head_rows_follow_d2t_and_the_rest_score_below_the_draft_rows():
+    """Draft row i lands on target id i + d2t[i]; every other token gets one row that scores the mean normed
+    state at the median draft logit - 2 (EAGLE-3 never proposes them), so the converted drafter's argmax on
+    EAGLE-3's own states is EAGLE-3's wherever that one clears the median (the target's rows stole 95% of the
+    argmaxes on SmolLM2)."""
+    from torchspec.export.warm_start import NON_DRAFT_LOGIT_MARGIN, _expand_lm_head
+
     e3 = random_e3()
-    target_head = torch.randn(V, H)
-    e4, _ = eagle3_to_eagle4(e3, Eagle4Config(**SIZES), target_lm_head=target_head, fit_tokens=None)
-    head = e4.lm_head.weight
+    e4, report = eagle3_to_eagle4(e3, Eagle4Config(**SIZES), target_lm_head=torch.randn(V, H), fit_tokens=None)
+    head = e4.lm_head.weight.detach()
     draft_ids = torch.arange(VD) + e3.d2t
     assert not torch.equal(draft_ids, torch.arange(VD))  # a real (non-identity) mapping
     for i in range(VD):
         assert torch.equal(head[i + int(e3.d2t[i])], e3.lm_head.weight[i]), i
     outside = ~e3.t2d
-    assert torch.equal(head[outside], target_head[outside])
+    assert (head[outside] == head[outside][0]).all()  # one row for them all
+    normed = torch.randn(64, H) + 3.0  # states with a common direction, as final-normed states have
+    expanded, level = _expand_lm_head(e3, torch.zeros(V, H), normed)
+    rows = e3.lm_head.weight.detach()
+    assert level == pytest.approx(float((normed @ rows.T).median()) - NON_DRAFT_LOGIT_MARGIN)
+    mu = normed.mean(0)
+    assert float(mu @ expanded[outside][0]) == pytest.approx(level, rel=1e-4)  # the mean state scores ~level
+    assert any("median draft logit" in e.detail for e in report.loaded if e.key == "lm_head.weight")
 
 
 def test_efficient_head_scorer_is_svd_of_expanded_head():
