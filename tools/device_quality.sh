@@ -203,8 +203,11 @@ warm)
   if [ ! -f "$W/eagle4_init/config.json" ]; then
     last=$(ls "$W/eagle3/checkpoints" | grep step_ | sort | tail -1)
     python3 recipes/export.py "$W/eagle3" "$W/eagle3_warm_source" --step "$((10#${last#step_}))" --dtype float32 2>&1 | tail -1
+    # the fit on the training conversations themselves (the target's own replies), not on text the target samples
+    # from random tokens: on SmolLM2 (CPU, held out) the converted acc_0 rose from 0.097 to 0.115 (EAGLE-3: 0.189)
     python3 recipes/convert.py "$W/eagle3_warm_source" "$W/eagle4_init" --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
-      --drafter-preset eagle4 2>&1 | tee "$RES/convert_report.txt" | tail -3
+      --drafter-preset eagle4 --fit-data "$W/regen/shard_00000.jsonl" --fit-samples 64 2>&1 \
+      | tee "$RES/convert_report.txt" | tail -3
   fi
   train_all $(( $(left) - 10 ))
   ;;
