@@ -105,8 +105,8 @@ def test_stress_256_requests(base):
     if DEVICE == "cuda":
         assert engine.graphs is not None and len(engine.graphs) > 0
         assert not engine.graphs._failed, f"steps fell back to eager: {engine.graphs._failed}"
-        kinds = [key[-1] for key in engine.graphs._graphs]
-        assert set(kinds) <= {"greedy", "mixed"} and len(kinds) == len(set(kinds)), kinds  # one graph per kind
+        keys = [(key[3], key[4]) for key in engine.graphs._graphs]  # (sampling kind, block-table width)
+        assert {kind for kind, _ in keys} <= {"greedy", "mixed"} and len(keys) == len(set(keys)), keys  # one each
     reasons = [r.finish_reason for r in results]
     assert all(reasons) and reasons.count("cancelled") >= 5 and reasons.count("stop") >= 1
     assert sum(r.cached_tokens for r in results) > 0  # the prefix cache was used
