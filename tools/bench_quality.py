@@ -15,7 +15,7 @@ For one target and one or more drafter exports, on held-out prompt sets:
    ``simulated_acceptance = eval/chain_acceptance``, the greedy chain rounds of depth K walked over each
    response as serving runs them (tokens committed per round, with the token an efficient head proposes),
    and ``simulated_acceptance_marginals = eval/acceptance_length = 1 + sum_k prod_{i<=k} acc_i``.
-3. **Served acceptance and speedup**: ``SpeculativeEngine`` on the same prompt ids: greedy chain of
+3. **Served acceptance and speedup** (``tools/quality_served.py``): ``SpeculativeEngine`` on the same prompt ids: greedy chain of
    depth K (``chain``), greedy dynamic tree of depth K (``tree``; ``--tree-topk``, ``--tree-nodes``)
    and the T = 1 sampled tree (``sampled_tree``; ``--branching``) at each ``--concurrency``, against
    plain decoding of the same decoder at the same concurrency and temperature (``recipes.bench.measure``:
@@ -88,18 +88,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 from quality_responses import ResponseCache, response_settings, target_responses  # noqa: E402
-from quality_simulated import build_eval_engine, chain_length, held_out_examples, simulate, simulated_entry  # noqa: E402
+from quality_served import MODES, TOLERANCE, chosen_prompts, format_row, round_agreement, serve_drafter, timed  # noqa: E402, F401 (round_agreement: the tests read it here)
+from quality_simulated import build_eval_engine, held_out_examples, simulate, simulated_entry  # noqa: E402
 
-from recipes.bench import csv_values, measure  # noqa: E402
+from recipes.bench import csv_values  # noqa: E402
 from torchspec.cli import ArgumentParser, check_at_least, user_errors  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig  # noqa: E402
-from torchspec.runtime.sampling import SamplingParams  # noqa: E402
 
 DEFAULT_OUT = "docs/bench/quality_smollm2.json"
 ROW_KEYS = ("drafter", "train_tokens", "prompt_set", "mode", "temperature", "concurrency", "simulated_acceptance",
             "served_acceptance", "speedup", "served_vs_simulated", "depth")
-MODES = {"chain": 0.0, "tree": 0.0, "sampled_tree": 1.0}  # mode -> temperature
-TOLERANCE = 0.05  # served chain vs simulated acceptance (issue 15's target)
 ARCHS = {"torchspec_eagle4": "eagle4", "torchspec_eagle3": "eagle3"}
 DIAGNOSTICS = {"marg": "simulated_acceptance_marginals", "sim": "simulated_acceptance",
                "ids": "simulated_served_ids", "starts": "simulated_round_starts",
@@ -217,53 +215,6 @@ def drafter_record(name: str, path: str, train_tokens: int | None) -> dict:
 
 # --- 3. served acceptance and speedup --------------------------------------------------------------------
 
-class _Recorder:
-    """An engine for ``recipes.bench.measure`` that keeps the results of its one ``generate``."""
-
-    def __init__(self, engine):
-        self.engine, self.results = engine, None
-
-    def generate(self, *args, **kwargs):
-        self.results = self.engine.generate(*args, **kwargs)
-        return self.results
-
-    @property
-    def decode_rounds(self) -> int:  # measure's round count (round_ms)
-        return self.engine.decode_rounds
-
-
-def timed(engine, prompts: list[list[int]], spec, temperature: float, max_new: int, seed: int, c: int):
-    """A warm-up (CUDA-graph capture), then ``recipes.bench.measure`` -> (its numbers, the results)."""
-    params = SamplingParams(temperature=temperature)
-    measure(engine, prompts[:c], spec, params, min(16, max_new), seed, c)
-    rec = _Recorder(engine)
-    return measure(rec, prompts, spec, params, max_new, seed, c), rec.results
-
-
-def chosen_prompts(ids: list[list[int]], c: int) -> list[list[int]]:
-    """A concurrency level's prompts: all, repeated up to c when fewer (as torchspec-bench)."""
-    n = max(c, len(ids))
-    return (ids * (1 + n // len(ids)))[:n]
-
-
-def round_agreement(results, records: list[dict], per_example: list[torch.Tensor]) -> tuple[int, int]:
-    """(rounds whose committed count equals the simulated chain at the same start, rounds compared).
-    Compared: every served greedy chain round but each sequence's last, while all its tokens are the
-    cached response's (bf16 serving may part from it at a near-tie; positions mean nothing after)."""
-    matched = compared = 0
-    for res, rec, both in zip(results, records, per_example):  # results beyond the records: repeats
-        p, ref = len(rec["prompt_ids"]), rec["token_ids"]
-        same = next((i for i, (a, b) in enumerate(zip(res.token_ids, ref)) if a != b), min(len(ref), len(res.token_ids)))
-        n = p
-        for count in res.accept_lengths[:-1]:
-            if n + count - p >= same:  # the round commits x_{n+1} .. x_{n+count}: token_ids[n+1-p .. n+count-p]
-                break
-            matched += chain_length(both[0], n - 1) == count
-            compared += 1
-            n += count
-    return matched, compared
-
-
 # --- the run ---------------------------------------------------------------------------------------------
 
 def simulate_drafters(path: str, drafters: dict, responses: dict, tokenizer, args, dtype, device, max_context: int,
@@ -293,51 +244,6 @@ def simulate_drafters(path: str, drafters: dict, responses: dict, tokenizer, arg
             simulated[(name, set_name)] = simulated_entry(name, set_name, args.depth, counts, text_metrics,
                                                           ids_metrics, responses[set_name], per_example)
     return simulated
-
-
-def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict, simulated: dict, plain: dict,
-                  specs: dict, modes: list[str], levels: list[int], max_context: int, args) -> list[dict]:
-    """One drafter served in every mode at every concurrency on every prompt set: its rows."""
-    from torchspec.export.serving import load_exported_drafter
-    from torchspec.runtime.drafter_runner import DrafterRunner
-    from torchspec.runtime.engine import SpeculativeEngine
-    from torchspec.runtime.loading import decoder_identity
-
-    device, dtype = decoder.embed_tokens_weight.device, decoder.embed_tokens_weight.dtype
-    model = load_exported_drafter(d["path"], target=decoder_identity(decoder), dtype=dtype)
-    engine = SpeculativeEngine(decoder, DrafterRunner(model.to(device), decoder.vocab_size), tokenizer,
-                               max_batch=max(levels), max_context=max_context, page_size=args.page_size)
-    rows = []
-    for set_name, recs in responses.items():
-        sim = simulated[(d["drafter"], set_name)]
-        for mode in modes:
-            temp = MODES[mode]
-            for c in levels:
-                stats, results = timed(engine, chosen_prompts(prompt_ids[set_name], c), specs[mode], temp,
-                                       args.max_new_tokens, args.seed, c)
-                base = plain[(set_name, temp, c)]
-                row = {"drafter": d["drafter"], "arch": d["arch"], "train_tokens": d["train_tokens"],
-                       "train_step": d["train_step"], "prompt_set": set_name, "mode": mode, "temperature": temp,
-                       "concurrency": c, "depth": args.depth, "simulated_acceptance": sim["simulated_acceptance"],
-                       "served_acceptance": stats["mean_acceptance"],
-                       "served_vs_simulated": stats["mean_acceptance"] / sim["simulated_acceptance"],
-                       "speedup": stats["tokens_per_s"] / base["tokens_per_s"], "tokens_per_s": stats["tokens_per_s"],
-                       "plain_tokens_per_s": base["tokens_per_s"], "rounds": stats["rounds"],
-                       "decode_tokens": stats["decode_tokens"],
-                       "simulated_acceptance_marginals": sim["simulated_acceptance_marginals"],
-                       "simulated_acceptance_efficient_lb": sim["simulated_acceptance_efficient_lb"],
-                       "simulated_served_ids": sim["served_ids"]["acceptance"],
-                       "simulated_served_ids_chain": sim["served_ids"]["chain_acceptance"],
-                       "simulated_round_starts": sim["round_starts"]["acceptance"],
-                       "simulated_chain_mean": sim["chain_mean"], "simulated_replay": sim["replay"]}
-                greedy_chain = mode == "chain" and temp == 0.0
-                if greedy_chain:
-                    matched, compared = round_agreement(results, recs, sim["_per_example"])
-                    row.update(round_agreement=matched / max(compared, 1), rounds_compared=compared)
-                row["flag"] = greedy_chain and abs(row["served_vs_simulated"] - 1) > TOLERANCE
-                rows.append(row)
-                print(format_row(row), flush=True)
-    return rows
 
 
 def run(args, on_progress=None) -> dict:
@@ -402,13 +308,6 @@ def run(args, on_progress=None) -> dict:
         if on_progress is not None:
             on_progress(content())
     return content()
-
-
-def format_row(r: dict) -> str:
-    agree = f"  rounds agree {r['round_agreement']:.0%}" if "round_agreement" in r else ""
-    return (f"{r['drafter']:<12} {r['prompt_set']:<10} {r['mode']:<12} T={r['temperature']:<3} c={r['concurrency']:<3} "
-            f"sim {r['simulated_acceptance']:5.2f}  served {r['served_acceptance']:5.2f}  ratio "
-            f"{r['served_vs_simulated']:5.2f}  x{r['speedup']:.2f}{agree}{'  !! >5%' if r['flag'] else ''}")
 
 
 def print_table(out: dict) -> None:
