@@ -112,10 +112,11 @@ round_profile() {  # issue 13: a SmolLM2-shaped round phase by phase (cold Trito
     --json "$RES/round_profile_smollm2.json" > "$RES/round_profile_smollm2.log" 2>&1
   tail -n 14 "$RES/round_profile_smollm2.log"
 }
-regenerate_sharegpt() {  # $1: seconds; REGEN_WORKERS processes (default two a GPU) of REGEN_CONC requests each
+regenerate_sharegpt() {  # $1: seconds, $2: source, $3: output, $4: conversations; REGEN_WORKERS processes (default
+  # two a GPU) of REGEN_CONC requests each
   timeout -s INT "$1" python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
-    source="$W/sg_users.jsonl" output="$W/regen" cache_dir="$W/cache" num_workers=${REGEN_WORKERS:-$(( 2 * NGPU ))} \
-    concurrency=${REGEN_CONC:-256} max_conversations="${MAXCONV:-6000}" max_new_tokens=768 \
+    source="$2" output="$3" cache_dir="$W/cache" num_workers=${REGEN_WORKERS:-$(( 2 * NGPU ))} \
+    concurrency=${REGEN_CONC:-256} max_conversations="$4" max_new_tokens=768 \
     max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 | tee -a "$RES/regenerate.log"
 }
 merge_regenerations() {  # $1: the JSONL to write, then the finished regeneration directories, every shard verified
@@ -161,10 +162,7 @@ regenerate)
 print(sum(json.load(open(d + '/generation.json'))['settings']['max_conversations']
           for d in ['$W/regen'] + sorted(glob.glob('$W/regen_[b-z]')) if d != '$next'))")
       tail -n +$(( done_ + 1 )) "$W/sg_users.jsonl" | head -n "$MORECONV" > "$W/sg_users_next.jsonl"
-      timeout -s INT $(( $(left) - 200 )) python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
-        source="$W/sg_users_next.jsonl" output="$next" cache_dir="$W/cache" concurrency=256 \
-        max_conversations="$MORECONV" max_new_tokens=768 max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' \
-        | grep -v "conv/s\]$" | tail -20 | tee -a "$RES/regenerate.log"
+      regenerate_sharegpt $(( $(left) - 200 )) "$W/sg_users_next.jsonl" "$next" "$MORECONV"
       cp "$next/generation.json" "$RES/generation_${next##*_}.json" 2>/dev/null
       tar czf "$OUT/${next##*/}_data.tgz" -C "$W" "${next##*/}"  # carry it next time in REGEN_TGZ
     fi
@@ -181,11 +179,11 @@ print(sum(json.load(open(d + '/generation.json'))['settings']['max_conversations
   python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" source="$W/mtbench.jsonl" output="$W/regen_mtbench" \
     cache_dir="$W/cache" concurrency=80 max_new_tokens=${HELDOUT_TOKENS:-256} max_context=2048 2>&1 | tail -1 | tee -a "$RES/regenerate.log"
   # MAXCONV: ShareGPT conversations to answer; at the H200's 11.2K tokens/s about 6,000 fit one call
-  regenerate_sharegpt $(( $(left) - 30 ))
+  regenerate_sharegpt $(( $(left) - 30 )) "$W/sg_users.jsonl" "$W/regen" "${MAXCONV:-6000}"
   if ! grep -qs '"complete": true' "$W/regen/generation.json" && [ "${REGEN_WORKERS:-$(( 2 * NGPU ))}" != "$NGPU" ] \
       && [ "$(left)" -gt 150 ]; then  # several workers a GPU failed: resume their finished shards with one a GPU
     echo "regeneration with ${REGEN_WORKERS:-$(( 2 * NGPU ))} workers did not finish: resuming with $NGPU" | tee -a "$RES/regenerate.log"
-    REGEN_WORKERS=$NGPU REGEN_CONC=$(( 256 / NGPU )) regenerate_sharegpt $(( $(left) - 30 ))
+    REGEN_WORKERS=$NGPU REGEN_CONC=$(( 256 / NGPU )) regenerate_sharegpt $(( $(left) - 30 )) "$W/sg_users.jsonl" "$W/regen" "${MAXCONV:-6000}"
   fi
   cp "$W/regen/generation.json" "$RES/" 2>/dev/null
   tar czf "$OUT/regen_data.tgz" -C "$W" regen regen_mtbench

@@ -52,8 +52,9 @@ def main() -> None:
     valid = torch.ones(b, dtype=torch.bool, device="cuda")
     params = SamplingParams()
 
+    bt = engine.block_table[:b, :engine.table_columns_for(args.ctx + 1)]  # the columns the engine's step reads
+
     def step():
-        bt = engine.block_table[:b, :engine.table_columns_for(args.ctx + 1)]  # the columns the engine's step reads
         return plain_step(engine.decoder, engine.caches, bt, ctx, root, valid, params, None)
 
     graph_ms = graph_replay_ms(step)

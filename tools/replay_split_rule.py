@@ -34,11 +34,6 @@ from torchspec.runtime.paged_kv import table_columns  # noqa: E402
 GPUS = {"NVIDIA H200": (132, 50 << 20), "NVIDIA H100 80GB HBM3": (132, 50 << 20)}  # SMs, L2 bytes
 
 
-def longest_row(ctx: int, lengths: str) -> int:
-    """The longest committed row of a sweep case (``bench_attention_paged.row_lengths``: ctx in every kind)."""
-    return ctx
-
-
 def replay_file(path: Path, table: str) -> list[dict]:
     data = json.loads(path.read_text())
     setup = data["setup"]
@@ -53,7 +48,8 @@ def replay_file(path: Path, table: str) -> list[dict]:
             continue
         page = setup["page_size"]
         width = setup["max_context"] // page
-        cols = table_columns(longest_row(ctx, lengths) + tq, page, width) if table == "engine" else width
+        # ctx is the longest committed row in every --lengths kind (bench_attention_paged.row_lengths)
+        cols = table_columns(ctx + tq, page, width) if table == "engine" else width
         cfg = plan(batch, setup["kv_heads"], tq, setup["heads"] // setup["kv_heads"], setup["head_dim"], cols * page,
                    getattr(torch, setup["dtype"]), torch.device("cpu"), sms=sms, l2_bytes=l2)
         chosen = min(swept, key=lambda n: abs(math.log(n) - math.log(cfg["num_splits"])))

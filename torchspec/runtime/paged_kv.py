@@ -169,10 +169,10 @@ class AttentionMeta:
 MIN_TABLE_KEYS = 1024
 
 
-def table_columns(keys: int, page_size: int, max_columns: int, min_keys: int | None = None) -> int:
+def table_columns(keys: int, page_size: int, max_columns: int) -> int:
     """Block-table columns a forward over rows of at most ``keys`` keys (committed + this forward's) reads:
-    ``keys`` rounded up to a power of two, at least ``min_keys`` (default ``MIN_TABLE_KEYS``), at most the table."""
-    bucket = max(MIN_TABLE_KEYS if min_keys is None else min_keys, 1 << max(0, keys - 1).bit_length())
+    ``keys`` rounded up to a power of two, at least ``MIN_TABLE_KEYS``, at most the table."""
+    bucket = max(MIN_TABLE_KEYS, 1 << max(0, keys - 1).bit_length())
     return min(max_columns, -(-bucket // page_size))
 
 
