@@ -107,10 +107,16 @@ attention_sweep() {  # issue 13: the planner's split count against explicit ones
     --json "$RES/attention_split_sweep_qwen3_8b_one_long.json" > "$RES/attention_split_sweep_qwen3_8b_one_long.log" 2>&1
   tail -n 2 "$RES"/attention_split_sweep_*.log
 }
-round_profile() {  # issue 13: a SmolLM2-shaped round phase by phase (cold Triton / inductor compiles: 200 s)
-  timeout 200 python3 tools/profile_round.py --shape smollm2-135m --batch 1,8 --ctx 512 \
+round_profile() {  # issue 13: a SmolLM2-shaped round phase by phase (cold Triton / inductor compiles: 200 s), with
+  # every graph's replay traced (busy vs idle between kernels); then the plain step at 2K against 32K context
+  timeout 200 python3 tools/profile_round.py --shape smollm2-135m --batch 1,8 --ctx 512 --timeline \
     --json "$RES/round_profile_smollm2.json" > "$RES/round_profile_smollm2.log" 2>&1
   tail -n 14 "$RES/round_profile_smollm2.log"
+  for shape in smollm2-135m qwen3-8b; do for ctx in 2048 32768; do
+    timeout 90 python3 tools/profile_decode_step.py --shape $shape --ctx $ctx --max-context 33792 --fuse \
+      --json "$RES/decode_step_${shape}_${ctx}.json" > "$RES/decode_step_${shape}_${ctx}.log" 2>&1
+    grep "graph step" "$RES/decode_step_${shape}_${ctx}.log" | sed "s/^/$shape ctx $ctx: /"
+  done; done
 }
 regenerate_sharegpt() {  # $1: seconds, $2: source, $3: output, $4: conversations; REGEN_WORKERS processes (default
   # two a GPU) of REGEN_CONC requests each

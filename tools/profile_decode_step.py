@@ -57,7 +57,7 @@ def main() -> None:
     def step():
         return plain_step(engine.decoder, engine.caches, bt, ctx, root, valid, params, None)
 
-    graph_ms = graph_replay_ms(step)
+    graph_ms, _ = graph_replay_ms(step)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -12,7 +12,8 @@ Builds the controlled-acceptance pair of ``tools/bench_runtime_efficiency.py`` a
     head       one depth's head inside ``draft``: the greedy chain's scoreless argmax, the tree's log-softmax + top-k
 
 Each graph is replayed 50 times (median, CUDA events) and its eager run is profiled once for the
-kernel count and the top kernels by time (in the JSON). ``round - (draft + verify + catch_up)`` is the acceptance, compaction and glue.
+kernel count and the top kernels by time (in the JSON). ``--timeline`` also traces one replay of each
+graph: the time its kernels run against the idle time between them, and the largest gaps. ``round - (draft + verify + catch_up)`` is the acceptance, compaction and glue.
 
     python tools/profile_round.py --shape qwen3-8b --batch 1 --ctx 512 --spec chain --depth 5 \\
         --json docs/bench/round_profile_qwen3_8b_h200.json
@@ -33,8 +34,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 
-def graph_ms(fn, replays: int = 50) -> float:
-    """Median replay time of ``fn`` captured in a CUDA graph (after 3 eager warm-ups)."""
+def graph_ms(fn, replays: int = 50) -> tuple[float, torch.cuda.CUDAGraph]:
+    """(Median replay time of ``fn`` captured in a CUDA graph (after 3 eager warm-ups), the graph)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -49,7 +50,32 @@ def graph_ms(fn, replays: int = 50) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], graph
+
+
+def replay_timeline(graph: torch.cuda.CUDAGraph, top: int = 8) -> dict:
+    """One replay of ``graph`` traced kernel by kernel (CUPTI sees the kernels a graph launches): its span,
+    the time kernels run, the idle time between them, and the ``top`` largest gaps with their neighbours."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return {"kernels": 0}
+    gaps, end = [], spans[0][1]
+    for (_, prev_end, prev), (start, stop, name) in zip(spans, spans[1:]):
+        gaps.append((max(0.0, start - max(end, prev_end)), prev, name))
+        end = max(end, stop)
+    busy = sum(stop - start for start, stop, _ in spans)
+    gaps.sort(key=lambda g: -g[0])
+    return {"kernels": len(spans), "span_us": end - spans[0][0], "busy_us": busy,
+            "idle_us": sum(g[0] for g in gaps), "mean_gap_us": sum(g[0] for g in gaps) / max(1, len(gaps)),
+            "top_gaps": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]]}
 
 
 def kernel_profile(fn, top: int = 12) -> tuple[int, list[dict]]:
@@ -135,6 +161,8 @@ def main() -> None:
     p.add_argument("--attn-chunk-rule", choices=["auto", "bandwidth"], default="auto",
                    help="bandwidth: plan attention splits as if no partials fit in L2 (the rule before one-tile "
                         "splits for small grids), to compare both in one call")
+    p.add_argument("--timeline", action="store_true",
+                   help="trace one replay of every phase's graph: busy vs idle time and the largest gaps (JSON)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from torchspec.runtime.attention_plan import bandwidth_split_rule
@@ -167,11 +195,18 @@ def profile(args) -> None:
         phases = batch_phases(engine, args, b, params)
         plain_ms = None
         for name, fn in phases.items():
-            ms, (kernels, top) = graph_ms(fn), kernel_profile(fn, args.top_kernels)
+            (ms, graph), (kernels, top) = graph_ms(fn), kernel_profile(fn, args.top_kernels)
             plain_ms = plain_ms or ms
-            rows.append({"batch": b, "phase": name, "ms": ms, "plain_steps": ms / plain_ms, "kernels": kernels,
-                         "top_kernels": top})
-            print(f"b={b:<3} {name:<16} {ms:8.3f} ms  {ms / plain_ms:5.2f} plain steps  {kernels:6d} kernels", flush=True)
+            row = {"batch": b, "phase": name, "ms": ms, "plain_steps": ms / plain_ms, "kernels": kernels,
+                   "top_kernels": top}
+            line = f"b={b:<3} {name:<16} {ms:8.3f} ms  {ms / plain_ms:5.2f} plain steps  {kernels:6d} kernels"
+            if args.timeline:
+                row["timeline"] = t = replay_timeline(graph)
+                if t["kernels"]:
+                    line += (f"  replay: {t['kernels']} kernels, busy {t['busy_us'] / 1e3:.3f} ms, idle "
+                             f"{t['idle_us'] / 1e3:.3f} ms ({t['mean_gap_us']:.2f} us a gap)")
+            rows.append(row)
+            print(line, flush=True)
     if args.json:
         out = {"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}
         path = pathlib.Path(args.json)
