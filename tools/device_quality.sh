@@ -23,7 +23,7 @@
 #
 # stage: SWEEP=1 times the attention planner's split counts against explicit ones (alone on the GPU: call 1);
 # PROFILE=1 profiles a SmolLM2-shaped round phase by phase (tools/profile_round.py);
-# regenerate: REGEN_WORKERS worker processes (default two a GPU: 29.7K tokens/s on one H200 against 16.3K for one,
+# regenerate: REGEN_WORKERS worker processes (default three a GPU: 42.0K tokens/s on one H200, against 29.7K for two and 16.3K for one,
 # 2026-12-02) of REGEN_CONC requests each (256);
 # GPU_TESTS="files" runs those GPU tests (GPU_TEST_S seconds), in stage or beside regenerate's generation.
 # regenerate with REGEN_TGZ="<regen_data.tgz> [regen_b_data.tgz ...]" (earlier calls') skips the regeneration;
@@ -119,9 +119,9 @@ round_profile() {  # issue 13: a SmolLM2-shaped round phase by phase (cold Trito
   done; done
 }
 regenerate_sharegpt() {  # $1: seconds, $2: source, $3: output, $4: conversations; REGEN_WORKERS processes (default
-  # two a GPU) of REGEN_CONC requests each
+  # three a GPU) of REGEN_CONC requests each
   timeout -s INT "$1" python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
-    source="$2" output="$3" cache_dir="$W/cache" num_workers=${REGEN_WORKERS:-$(( 2 * NGPU ))} \
+    source="$2" output="$3" cache_dir="$W/cache" num_workers=${REGEN_WORKERS:-$(( 3 * NGPU ))} \
     concurrency=${REGEN_CONC:-256} max_conversations="$4" max_new_tokens=768 \
     max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 | tee -a "$RES/regenerate.log"
 }
@@ -186,9 +186,9 @@ print(sum(json.load(open(d + '/generation.json'))['settings']['max_conversations
     cache_dir="$W/cache" concurrency=80 max_new_tokens=${HELDOUT_TOKENS:-256} max_context=2048 2>&1 | tail -1 | tee -a "$RES/regenerate.log"
   # MAXCONV: ShareGPT conversations to answer; at the H200's 11.2K tokens/s about 6,000 fit one call
   regenerate_sharegpt $(( $(left) - 30 )) "$W/sg_users.jsonl" "$W/regen" "${MAXCONV:-6000}"
-  if ! grep -qs '"complete": true' "$W/regen/generation.json" && [ "${REGEN_WORKERS:-$(( 2 * NGPU ))}" != "$NGPU" ] \
+  if ! grep -qs '"complete": true' "$W/regen/generation.json" && [ "${REGEN_WORKERS:-$(( 3 * NGPU ))}" != "$NGPU" ] \
       && [ "$(left)" -gt 150 ]; then  # several workers a GPU failed: resume their finished shards with one a GPU
-    echo "regeneration with ${REGEN_WORKERS:-$(( 2 * NGPU ))} workers did not finish: resuming with $NGPU" | tee -a "$RES/regenerate.log"
+    echo "regeneration with ${REGEN_WORKERS:-$(( 3 * NGPU ))} workers did not finish: resuming with $NGPU" | tee -a "$RES/regenerate.log"
     REGEN_WORKERS=$NGPU REGEN_CONC=$(( 256 / NGPU )) regenerate_sharegpt $(( $(left) - 30 )) "$W/sg_users.jsonl" "$W/regen" "${MAXCONV:-6000}"
   fi
   cp "$W/regen/generation.json" "$RES/" 2>/dev/null

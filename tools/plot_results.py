@@ -218,7 +218,8 @@ def plot_quality(metrics: dict[str, Path], quality: Path, out_acceptance: Path, 
     solid; served greedy chain on MT-Bench / HumanEval at the exported step, markers), and served speedup
     against concurrency for each drafter, prompt set and mode (tools/bench_quality.py rows)."""
     data = json.loads(quality.read_text())
-    colors = {"eagle3": "tab:blue", "eagle4": "tab:orange", "eagle4_27m": "tab:red", "eagle4_21m": "tab:green"}
+    colors = {"eagle3": "tab:blue", "eagle4": "tab:orange", "eagle4_27m": "tab:red", "eagle4_21m": "tab:green",
+              "eagle4_24m": "tab:purple"}
     fig, ax = plt.subplots(figsize=(10.5, 4.4))
     for name, src in metrics.items():
         rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
@@ -357,6 +358,7 @@ if __name__ == "__main__":
         plot_round(rounds, img / "round_cost.png")
     quality = {name: bench / f"quality_smollm2_{name}_metrics.jsonl" for name in ("eagle3", "eagle4", "eagle4_27m")}
     quality["eagle4_21m"] = bench / "ablation_smollm2_s6" / "ablation_smollm2_eagle4_metrics.jsonl"  # sixth session
+    quality["eagle4_24m"] = bench / "quality_smollm2_s8" / "eagle4_24m_metrics.jsonl"  # eighth session
     if (bench / "quality_smollm2.json").exists() and all(p.exists() for p in quality.values()):
         plot_quality(quality, bench / "quality_smollm2.json", img / "quality_acceptance_vs_tokens.png",
                      img / "quality_speedup_vs_concurrency.png")
