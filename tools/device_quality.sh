@@ -24,7 +24,9 @@
 # stage: SWEEP=1 times the attention planner's split counts against explicit ones (alone on the GPU: call 1);
 # PROFILE=1 profiles a SmolLM2-shaped round phase by phase (tools/profile_round.py);
 # regenerate: REGEN_WORKERS worker processes (default three a GPU: 42.0K tokens/s on one H200, against 29.7K for two and 16.3K for one,
-# 2026-12-02) of REGEN_CONC requests each (256);
+# 2026-12-02) of REGEN_CONC requests each (256), replies of at most REGEN_TOKENS tokens (768; the held-out sets and
+# serving use 256, and SmolLM2's long greedy replies loop: the 23.9M-token run read 3.48 on its first-epoch training
+# batches against 2.01 held out, so 256 is the next thing to try);
 # GPU_TESTS="files" runs those GPU tests (GPU_TEST_S seconds), in stage or beside regenerate's generation.
 # regenerate with REGEN_TGZ="<regen_data.tgz> [regen_b_data.tgz ...]" (earlier calls') skips the regeneration;
 # MORECONV=N then answers the source's next N records into the next run, regen_b, regen_c, ... (returned as
@@ -122,7 +124,7 @@ regenerate_sharegpt() {  # $1: seconds, $2: source, $3: output, $4: conversation
   # three a GPU) of REGEN_CONC requests each
   timeout -s INT "$1" python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
     source="$2" output="$3" cache_dir="$W/cache" num_workers=${REGEN_WORKERS:-$(( 3 * NGPU ))} \
-    concurrency=${REGEN_CONC:-256} max_conversations="$4" max_new_tokens=768 \
+    concurrency=${REGEN_CONC:-256} max_conversations="$4" max_new_tokens=${REGEN_TOKENS:-768} \
     max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 | tee -a "$RES/regenerate.log"
 }
 merge_regenerations() {  # $1: the JSONL to write, then the finished regeneration directories, every shard verified

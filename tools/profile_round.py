@@ -26,6 +26,7 @@ import contextlib
 import json
 import pathlib
 import sys
+import time
 
 import torch
 
@@ -55,10 +56,18 @@ def graph_ms(fn, replays: int = 50) -> tuple[float, torch.cuda.CUDAGraph]:
 
 def replay_timeline(graph: torch.cuda.CUDAGraph, top: int = 8) -> dict:
     """One replay of ``graph`` traced kernel by kernel (CUPTI sees the kernels a graph launches): its span,
-    the time kernels run, the idle time between them, and the ``top`` largest gaps with their neighbours."""
+    the time kernels run, the idle time between them, and the ``top`` largest gaps with their neighbours;
+    and the host time of the launch call alone. A replay timed by events much longer than its span spends
+    the difference before its first kernel or after its last (launch, upload), not between kernels.
+    Graphs with memset nodes read long idle gaps under the profiler (CUPTI's own cost): trust their events."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph.replay()
+    launch = []  # host time of the launch call alone (the GPU waits for it when the stream is idle)
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        launch.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
@@ -74,6 +83,7 @@ def replay_timeline(graph: torch.cuda.CUDAGraph, top: int = 8) -> dict:
     busy = sum(stop - start for start, stop, _ in spans)
     gaps.sort(key=lambda g: -g[0])
     return {"kernels": len(spans), "span_us": end - spans[0][0], "busy_us": busy,
+            "launch_us": sorted(launch)[len(launch) // 2],
             "idle_us": sum(g[0] for g in gaps), "mean_gap_us": sum(g[0] for g in gaps) / max(1, len(gaps)),
             "top_gaps": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]]}
 
@@ -204,7 +214,8 @@ def profile(args) -> None:
                 row["timeline"] = t = replay_timeline(graph)
                 if t["kernels"]:
                     line += (f"  replay: {t['kernels']} kernels, busy {t['busy_us'] / 1e3:.3f} ms, idle "
-                             f"{t['idle_us'] / 1e3:.3f} ms ({t['mean_gap_us']:.2f} us a gap)")
+                             f"{t['idle_us'] / 1e3:.3f} ms ({t['mean_gap_us']:.2f} us a gap), span {t['span_us'] / 1e3:.3f} ms, "
+                             f"launch call {t['launch_us']:.0f} us")
             rows.append(row)
             print(line, flush=True)
     if args.json:
