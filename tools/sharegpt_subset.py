@@ -18,6 +18,7 @@ import argparse
 import gzip
 import json
 import os
+import sys
 
 from torchspec.data.formats import read_conversations
 
@@ -45,6 +46,11 @@ def main() -> None:
                 break
         if any(m["role"] == "assistant" for m in kept):
             lines.append(json.dumps({"messages": kept}, ensure_ascii=False))
+    if not lines:  # nothing to write: say so instead of leaving an empty file behind
+        print(f"sharegpt_subset: --skip={args.skip} --num={args.num} selects no conversation with a reply "
+              f"(ShareGPT holds {len(convs)} usable ones here); lower --skip. Nothing written to {args.out}.",
+              file=sys.stderr)
+        sys.exit(2)
     data = ("\n".join(lines) + "\n").encode()
     tmp = args.out + ".tmp"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
