@@ -204,7 +204,9 @@ train)
 warm)
   # Issue 15 part 4, after an EAGLE-3 run "eagle3" has trained here: its last checkpoint -> export ->
   # torchspec-convert -> $W/eagle4_init (once), then trains the RUNS of this call, e.g.
-  #   RUNS="warm:drafter=eagle4,train.init_from=/tmp/work/eagle4_init" bash tools/device_quality.sh warm
+  #   RUNS="warm:drafter=eagle4,train.init_from=/tmp/work/eagle4_init,train.lr=2e-4,train.step_decay=0.3" \
+  #     bash tools/device_quality.sh warm
+  # (lr 2e-4 and TTT steps 1-6 down-weighted kept the most of the conversion on the CPU: results.md, eighth session)
   # (the warm run's held-out curve against eagle3's final acceptance: the tokens the warm start needs)
   if [ ! -f "$W/eagle4_init/config.json" ]; then
     last=$(ls "$W/eagle3/checkpoints" | grep step_ | sort | tail -1)
