@@ -19,6 +19,7 @@ import shutil
 
 import pytest
 
+from data_pipelines import regen_output
 from data_pipelines import regenerate as regenerate_module
 from data_pipelines.regenerate import RegenerateConfig, TurnRegenerator, main, regenerate, worker_device
 from torchspec.data import build_datasets
@@ -165,7 +166,7 @@ def test_resume_after_a_kill_skips_finished_shards(monkeypatch, finished, target
             raise KeyboardInterrupt
         return write_shard(*args, **kwargs)
 
-    monkeypatch.setattr(regenerate_module, "write_shard", killed_at_the_second_shard)
+    monkeypatch.setattr(regen_output, "write_shard", killed_at_the_second_shard)
     with pytest.raises(KeyboardInterrupt):
         regenerate(config(target, source, out), engine=engine)
     assert not engine.has_work and engine.free_pages == engine.total_pages  # requests in flight were cancelled
