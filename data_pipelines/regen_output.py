@@ -16,8 +16,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from data_pipelines.turns import Conversation
 from torchspec.data.regenerated import (
     GENERATION_FILE,
@@ -33,6 +31,8 @@ from torchspec.data.regenerated import (
 from torchspec.io import atomic_write_text
 
 if TYPE_CHECKING:
+    import torch
+
     from data_pipelines.regenerate import RegenerateConfig
 
 # Settings that change what is generated: a rerun into an existing output must keep them.

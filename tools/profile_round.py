@@ -13,7 +13,8 @@ Builds the controlled-acceptance pair of ``tools/bench_runtime_efficiency.py`` a
 
 Each graph is replayed 50 times (median, CUDA events) and its eager run is profiled once for the
 kernel count and the top kernels by time (in the JSON). ``--timeline`` also traces one replay of each
-graph: the time its kernels run against the idle time between them, and the largest gaps. ``round - (draft + verify + catch_up)`` is the acceptance, compaction and glue.
+graph: the time its kernels run against the idle time between them, and the largest gaps.
+``round - (draft + verify + catch_up)`` is the acceptance, compaction and glue.
 
     python tools/profile_round.py --shape qwen3-8b --batch 1 --ctx 512 --spec chain --depth 5 \\
         --json docs/bench/round_profile_qwen3_8b_h200.json
@@ -76,9 +77,9 @@ def replay_timeline(graph: torch.cuda.CUDAGraph, top: int = 8) -> dict:
                    if e.device_type == torch.autograd.DeviceType.CUDA)
     if not spans:
         return {"kernels": 0}
-    gaps, end = [], spans[0][1]
-    for (_, prev_end, prev), (start, stop, name) in zip(spans, spans[1:]):
-        gaps.append((max(0.0, start - max(end, prev_end)), prev, name))
+    gaps, end = [], spans[0][1]  # end: the latest end so far (kernels may overlap)
+    for (_, _, prev), (start, stop, name) in zip(spans, spans[1:]):
+        gaps.append((max(0.0, start - end), prev, name))
         end = max(end, stop)
     busy = sum(stop - start for start, stop, _ in spans)
     gaps.sort(key=lambda g: -g[0])
