@@ -13,7 +13,9 @@ Builds the controlled-acceptance pair of ``tools/bench_runtime_efficiency.py`` a
 
 Each graph is replayed 50 times (median, CUDA events) and its eager run is profiled once for the
 kernel count and the top kernels by time (in the JSON). ``--timeline`` also traces one replay of each
-graph: the time its kernels run against the idle time between them, and the largest gaps.
+graph: the time its kernels run against the idle time between them, and the largest gaps. Every phase
+also reports ``device_ms`` (its replay with the launch hidden behind a queued sleep: the graph's own
+execution) and ``graph_nodes`` (its nodes by type, through cuda-bindings).
 ``round - (draft + verify + catch_up)`` is the acceptance, compaction and glue.
 
     python tools/profile_round.py --shape qwen3-8b --batch 1 --ctx 512 --spec chain --depth 5 \\
@@ -37,13 +39,16 @@ sys.path.insert(0, str(REPO / "tools"))
 
 
 def graph_ms(fn, replays: int = 50) -> tuple[float, torch.cuda.CUDAGraph]:
-    """(Median replay time of ``fn`` captured in a CUDA graph (after 3 eager warm-ups), the graph)."""
+    """(Median replay time of ``fn`` captured in a CUDA graph (after 3 eager warm-ups), the graph).
+    The GPU is idle when each replay is launched, as between an engine's rounds (the host syncs on
+    every round's counts), so the time includes whatever the launch makes the GPU wait for."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)  # keep the cudaGraph_t: `graph_nodes` reads it
     with torch.cuda.graph(graph):
         fn()
+    graph.instantiate()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
@@ -53,6 +58,51 @@ def graph_ms(fn, replays: int = 50) -> tuple[float, torch.cuda.CUDAGraph]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2], graph
+
+
+def device_ms(graph: torch.cuda.CUDAGraph, replays: int = 50, sleep_us: float = 2000.0) -> float:
+    """Median replay time with the launch hidden: a sleep kernel queued first keeps the GPU busy while
+    the host launches, so the events bracket the graph's own execution only. ``graph_ms`` minus this
+    is what launching costs an idle GPU (host launch time, graph upload, first-kernel delay)."""
+    cycles = int(sleep_us * 2000)  # ~2 GHz SM clock; the sleep only has to outlast the launch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        torch.cuda._sleep(cycles)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+GRAPH_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child_graph", 5: "empty",
+                    6: "wait_event", 7: "event_record", 8: "ext_semas_signal", 9: "ext_semas_wait",
+                    10: "mem_alloc", 11: "mem_free", 12: "batch_mem_op", 13: "conditional"}
+
+
+def graph_nodes(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
+    """Node count of a captured graph by node type (kernel, memcpy, memset, ...), read from its
+    cudaGraph_t through cuda-bindings; {} where cuda-bindings is not installed. Memcpy and memset
+    nodes run outside the kernel stream order's fast path (copy engine, driver work), so a graph whose
+    event time exceeds its kernels' span is checked here first."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return {}
+    handle = cudart.cudaGraph_t(init_value=graph.raw_cuda_graph())
+    err, _, count = cudart.cudaGraphGetNodes(handle, 0)
+    assert err == cudart.cudaError_t.cudaSuccess, err
+    err, nodes, count = cudart.cudaGraphGetNodes(handle, count)
+    assert err == cudart.cudaError_t.cudaSuccess, err
+    kinds: dict[str, int] = {}
+    for node in nodes[:count]:
+        err, kind = cudart.cudaGraphNodeGetType(node)
+        assert err == cudart.cudaError_t.cudaSuccess, err
+        name = GRAPH_NODE_TYPES.get(int(kind), str(int(kind)))
+        kinds[name] = kinds.get(name, 0) + 1
+    return kinds
 
 
 def replay_timeline(graph: torch.cuda.CUDAGraph, top: int = 8) -> dict:
@@ -207,10 +257,12 @@ def profile(args) -> None:
         plain_ms = None
         for name, fn in phases.items():
             (ms, graph), (kernels, top) = graph_ms(fn), kernel_profile(fn, args.top_kernels)
+            dev_ms, nodes = device_ms(graph), graph_nodes(graph)
             plain_ms = plain_ms or ms
             row = {"batch": b, "phase": name, "ms": ms, "plain_steps": ms / plain_ms, "kernels": kernels,
-                   "top_kernels": top}
-            line = f"b={b:<3} {name:<16} {ms:8.3f} ms  {ms / plain_ms:5.2f} plain steps  {kernels:6d} kernels"
+                   "device_ms": dev_ms, "graph_nodes": nodes, "top_kernels": top}
+            line = (f"b={b:<3} {name:<16} {ms:8.3f} ms  {ms / plain_ms:5.2f} plain steps  {kernels:6d} kernels  "
+                    f"launch hidden {dev_ms:7.3f} ms  nodes {nodes}")
             if args.timeline:
                 row["timeline"] = t = replay_timeline(graph)
                 if t["kernels"]:

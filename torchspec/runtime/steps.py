@@ -51,6 +51,7 @@ from torchspec.runtime.recurrent_state import (
 from torchspec.runtime.sampling import RowSampling, SamplingParams, process_logits, sample
 from torchspec.runtime.verify import verify_greedy, verify_sampling
 from torchspec.targets import TargetDecoder
+from torchspec.targets.fused_ops import fused
 
 
 @dataclass
@@ -106,13 +107,19 @@ def catch_up_drafter(runner: DrafterRunner, caches: Caches, block_table: torch.T
     """Step-0 entries for positions ctx .. ctx + T - 1 (tokens [B, T] = x_{t+1}, aux 3 x [B, T, H] =
     target states at t); returns (normed, feedback) [B, H] at position ctx + last[b]."""
     b, t = tokens.shape
-    dev = tokens.device
-    positions = ctx[:, None] + torch.arange(t, device=dev)
-    meta = build_attention_meta(block_table, ctx, causal_mask(b, t, dev, runner.window), caches.page_size,
-                                anchor=positions, window=runner.window, row_valid=row_valid)
+    positions, mask = _step0_layout(ctx, t, runner.window)
+    meta = build_attention_meta(block_table, ctx, mask, caches.page_size, anchor=positions, window=runner.window,
+                                row_valid=row_valid)
     normed, feedback = runner.forward(tokens, runner.fuse(aux), positions, caches.drafter, meta)
     pick = last[:, None, None].expand(b, 1, normed.shape[-1])
     return torch.gather(normed, 1, pick)[:, 0], torch.gather(feedback, 1, pick)[:, 0]
+
+
+@fused
+def _step0_layout(ctx: torch.Tensor, t: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ctx .. ctx + t - 1 [B, T] of step-0 entries and their window-causal mask [B, T, T]."""
+    positions = ctx[:, None] + torch.arange(t, device=ctx.device)
+    return positions, causal_mask(ctx.shape[0], t, ctx.device, window).contiguous()
 
 
 def prefill(decoder: TargetDecoder, runner: DrafterRunner | None, caches: Caches, block_table: torch.Tensor,
@@ -170,8 +177,7 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
               slots: torch.Tensor | None = None) -> StepOut:
     """One draft-verify-accept-compact-catch-up round over the active rows (see module docstring)."""
     tree = draft_round(runner, caches.drafter, inp, spec, params, generator)
-    b, n = tree.tokens.shape
-    dev = tree.tokens.device
+    b = tree.tokens.shape[0]
     ctx, bt = inp.ctx_len, inp.block_table
     meta = build_attention_meta(bt, ctx, tree.attention_mask(spec.depth), caches.page_size, row_valid=inp.row_valid)
     attend = target_attend(caches, meta, slots, inp.row_valid, parents=tree.parents, depths=tree.depths,
@@ -185,18 +191,32 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
     a = res.num_accepted  # [B]
     if isinstance(attend, HybridAttend):  # recurrent state: the accepted path's last node only
         attend.commit(res.path.gather(1, a[:, None])[:, 0], inp.row_valid)
-    width = res.path.shape[1]  # D + 1
-    steps = torch.arange(width, device=dev)
-    on_path = steps[None] <= a[:, None]  # [B, D+1]
-    path = torch.where(on_path, res.path, steps[None].expand(b, width))  # off-path: identity (no-op move)
-    src = slots_for_positions(bt, ctx[:, None] + path, caches.page_size)
-    dst = slots_for_positions(bt, ctx[:, None] + steps[None], caches.page_size)
-    keep = on_path & inp.row_valid[:, None]
-    caches.target.move_slots(torch.where(keep, src, dst), dst)
-    # committed tokens of this round: accepted drafted tokens, then the bonus
-    drafted = torch.gather(tree.tokens, 1, path[:, 1:].clamp(max=n - 1)) if width > 1 else tree.tokens[:, :0]
-    emitted = torch.cat([drafted, res.next_token[:, None]], 1)  # [B, D+1]
-    emitted = torch.where(steps[None] < a[:, None], emitted, res.next_token[:, None])
+    path, src, dst, emitted = _compaction(a, res.path, res.next_token, tree.tokens, bt, ctx, inp.row_valid,
+                                          caches.page_size)
+    caches.target.move_slots(src, dst)
+    width = path.shape[1]  # D + 1
     aux = [torch.gather(h, 1, path[:, :, None].expand(b, width, h.shape[-1])) for h in out.aux]
     normed, feedback = catch_up_drafter(runner, caches, bt, ctx, emitted, aux, a, inp.row_valid)
     return StepOut(tokens=emitted, count=a + 1, root=res.next_token, normed=normed, feedback=feedback)
+
+
+@fused
+def _compaction(a: torch.Tensor, path: torch.Tensor, next_token: torch.Tensor, tokens: torch.Tensor,
+                block_table: torch.Tensor, ctx: torch.Tensor, row_valid: torch.Tensor, page_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 3's bookkeeping for ``a`` [B] accepted nodes on ``path`` [B, D + 1] -> (path with off-path
+    entries made identity moves, KV source slots, destination slots, the committed tokens [B, D + 1]:
+    the accepted drafted tokens, then ``next_token``). One fused region on CUDA (~30 index ops)."""
+    b, width = path.shape
+    n = tokens.shape[1]
+    steps = torch.arange(width, device=a.device)
+    on_path = steps[None] <= a[:, None]  # [B, D+1]
+    path = torch.where(on_path, path, steps[None].expand(b, width))  # off-path: identity (no-op move)
+    src = slots_for_positions(block_table, ctx[:, None] + path, page_size)
+    dst = slots_for_positions(block_table, ctx[:, None] + steps[None], page_size)
+    src = torch.where(on_path & row_valid[:, None], src, dst)
+    # committed tokens of this round: accepted drafted tokens, then the bonus
+    drafted = torch.gather(tokens, 1, path[:, 1:].clamp(max=n - 1))
+    emitted = torch.cat([drafted, next_token[:, None]], 1)  # [B, D+1]
+    emitted = torch.where(steps[None] < a[:, None], emitted, next_token[:, None])
+    return path, src, dst, emitted

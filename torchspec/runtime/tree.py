@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchspec.targets.fused_ops import fused
+
 
 @dataclass
 class DraftTree:
@@ -49,11 +51,13 @@ class DraftTree:
         return tree_attention_mask(self.parents, max_depth)
 
 
+@fused
 def tree_attention_mask(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
     """parents [B, N] (topological, -1 = none) -> ancestors-or-self mask [B, N, N].
 
     Pointer doubling: after i rounds every node knows its ancestors up to 2^i levels up, so
-    ceil(log2(depth + 1)) rounds suffice (``max_depth`` bounds the depth; default N - 1)."""
+    ceil(log2(depth + 1)) rounds suffice (``max_depth`` bounds the depth; default N - 1). One fused
+    region on CUDA."""
     b, n = parents.shape
     dev = parents.device
     idx = torch.arange(n, device=dev)

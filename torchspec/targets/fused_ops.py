@@ -34,6 +34,11 @@ besides its 4 GEMMs (add+norm, q/k norm+RoPE, KV write, paged attention + its sp
 add+norm, SwiGLU): 13 with cuBLAS's two split-K reductions at the Qwen3-8B shape on an H200, down
 from 19 (separate residual adds, q/k norms, RoPE calls and K/V index_copy).
 
+The speculation round's index bookkeeping uses the same ``fused``: the tree mask (``runtime.tree``), a
+forward's write slots (``runtime.paged_kv``), the greedy walk (``runtime.verify``), the compaction plan and
+the catch-up layout (``runtime.steps``), each ~10-45 integer ops that ran as as many kernels. These are
+exact (integer and boolean work), so they compile on any CUDA input, with or without ``fuse_for_serving``.
+
 Modules opt in per instance (``module.fused = True``, set by `TargetDecoder.fuse_for_serving`);
 training capture and the CPU never compile anything.
 """
