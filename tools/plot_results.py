@@ -162,16 +162,22 @@ def plot_serving(attention: Path, unfused: Path, fused: Path, out: Path) -> None
 
 def plot_round(profiles: list[tuple[str, Path]], out: Path) -> None:
     """A speculation round's phases (tools/profile_round.py) in plain decode steps: draft, verify,
-    catch-up, the rest (acceptance, compaction, glue), for each profile, mode and batch size <= 8."""
+    catch-up, the rest (acceptance, compaction, glue), for each profile, mode and batch size <= 8.
+    Profiles that carry ``device_ms`` (launch hidden) are drawn from it: a phase graph replayed alone
+    otherwise counts a launch wait that a round does not have."""
     fig, ax = plt.subplots(figsize=(11, 4.6))
     labels, x = [], 0
     colors = {"draft": "tab:orange", "verify": "tab:blue", "catch_up": "tab:green", "rest": "tab:gray"}
+    hidden = True
     for name, src in profiles:
         rows = [r for r in json.loads(src.read_text())["rows"] if r["batch"] <= 8]
+        hidden &= all("device_ms" in r for r in rows)
         start = x
         for batch in sorted({r["batch"] for r in rows}):
+            plain = next(r for r in rows if r["batch"] == batch and r["phase"] == "plain")
             for mode in ("chain", "tree"):
-                phase = {r["phase"].split(".")[-1]: r["plain_steps"] for r in rows
+                phase = {r["phase"].split(".")[-1]: (r["device_ms"] / plain["device_ms"] if "device_ms" in r
+                                                     else r["plain_steps"]) for r in rows
                          if r["batch"] == batch and r["phase"].startswith(mode + ".")}
                 if not phase:
                     continue
@@ -192,7 +198,7 @@ def plot_round(profiles: list[tuple[str, Path]], out: Path) -> None:
     ax.set_ylim(0, 3.3)
     ax.set_ylabel("plain decode steps per round")
     ax.set_title("a speculation round's phases, each its own CUDA graph (H200, bf16, ctx 512; chain depth 5, "
-                 "tree 16 nodes)")
+                 "tree 16 nodes)" + ("; launch hidden" if hidden else ""), fontsize=10)
     ax.legend(fontsize=7, loc="upper center", ncol=5)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -356,6 +362,11 @@ if __name__ == "__main__":
               ("SmolLM2 now", bench / "round_profile_smollm2_h200.json")]
     if all(p.exists() for _, p in rounds):
         plot_round(rounds, img / "round_cost.png")
+    rounds = [(f"{shape} {when}", bench / f"round_profile_{key}_s9_{tag}_h200.json")  # ninth session: glue fused
+              for shape, key in (("SmolLM2", "smollm2"), ("Qwen3-8B", "qwen3_8b"))
+              for when, tag in (("before", "before"), ("after", "glue"))]
+    if all(p.exists() for _, p in rounds):
+        plot_round(rounds, img / "round_cost_s9.png")
     quality = {name: bench / f"quality_smollm2_{name}_metrics.jsonl" for name in ("eagle3", "eagle4", "eagle4_27m")}
     quality["eagle4_21m"] = bench / "ablation_smollm2_s6" / "ablation_smollm2_eagle4_metrics.jsonl"  # sixth session
     quality["eagle4_24m"] = bench / "quality_smollm2_s8" / "eagle4_24m_metrics.jsonl"  # eighth session
