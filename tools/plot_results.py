@@ -174,20 +174,16 @@ def plot_round(profiles: list[tuple[str, Path]], out: Path) -> None:
         hidden &= all("device_ms" in r for r in rows)
         start = x
         for batch in sorted({r["batch"] for r in rows}):
-            plain = next(r for r in rows if r["batch"] == batch and r["phase"] == "plain")
             for mode in ("chain", "tree"):
-                phase = {r["phase"].split(".")[-1]: (r["device_ms"] / plain["device_ms"] if "device_ms" in r
-                                                     else r["plain_steps"]) for r in rows
-                         if r["batch"] == batch and r["phase"].startswith(mode + ".")}
-                if not phase:
+                parts = round_parts(rows, batch, mode)
+                if parts is None:
                     continue
-                parts = {k: phase[k] for k in ("draft", "verify", "catch_up")}
-                parts["rest"] = max(phase["round"] - sum(parts.values()), 0.0)
+                total = parts.pop("round")
                 bottom = 0.0
                 for k, v in parts.items():
                     ax.bar(x, v, 0.7, bottom=bottom, color=colors[k], label=k if x == 0 else None)
                     bottom += v
-                ax.text(x, bottom + 0.03, f"{phase['round']:.2f}", ha="center", fontsize=7)
+                ax.text(x, bottom + 0.03, f"{total:.2f}", ha="center", fontsize=7)
                 labels.append(f"{mode}\nb={batch}")
                 x += 1
         ax.text((start + x - 1) / 2, 2.8, name, ha="center", fontsize=9, weight="bold")
@@ -203,6 +199,21 @@ def plot_round(profiles: list[tuple[str, Path]], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def round_parts(rows: list[dict], batch: int, mode: str) -> dict[str, float] | None:
+    """A round's parts in plain steps at ``batch``: draft, verify, catch_up, the rest (round minus those)
+    and the round itself, from ``device_ms`` (launch hidden) where the rows have it, else from events;
+    None if absent."""
+    plain = next((r for r in rows if r["batch"] == batch and r["phase"] == "plain"), None)
+    phase = {r["phase"].split(".")[-1]: (r["device_ms"] / plain["device_ms"] if "device_ms" in r
+                                         else r["plain_steps"]) for r in rows
+             if r["batch"] == batch and r["phase"].startswith(mode + ".")}
+    if plain is None or "round" not in phase:
+        return None
+    parts = {k: phase[k] for k in ("draft", "verify", "catch_up")}
+    parts["rest"] = max(phase["round"] - sum(parts.values()), 0.0)
+    return parts | {"round": phase["round"]}
 
 
 def _bar_positions(profiles: list[tuple[str, Path]]) -> list[float]:

@@ -58,3 +58,27 @@ def test_split_rule_plot_reads_bench_attention_rows(tmp_path):
     out = tmp_path / "split.png"
     plot_results.plot_split_rule({"tiny": src}, out)
     assert out.stat().st_size > 10_000
+
+
+def test_round_parts_prefer_launch_hidden_times(tmp_path):
+    """tools/plot_results.round_parts: a round's parts in plain steps from ``device_ms`` (launch hidden) when the
+    profile has it -- a phase replayed alone on an idle GPU otherwise counts a launch wait the round has not --
+    and from the event-timed ``plain_steps`` for older profiles; plot_round draws both kinds."""
+    plot_results = load_tool("plot_results")
+    timed = {"plain": (1.0, 1.0), "chain.round": (1.85, 1.80), "chain.draft": (0.5, 0.5),
+             "chain.verify": (1.2, 1.0), "chain.catch_up": (0.1, 0.1)}  # phase: (events ms, device ms)
+    new = [{"batch": 1, "phase": k, "plain_steps": ev, "device_ms": dev} for k, (ev, dev) in timed.items()]
+    old = [{"batch": 1, "phase": k, "plain_steps": ev} for k, (ev, _) in timed.items()]
+    parts = plot_results.round_parts(new, 1, "chain")
+    assert parts["verify"] == pytest.approx(1.0) and parts["rest"] == pytest.approx(0.2)
+    assert parts["round"] == pytest.approx(1.8)
+    parts = plot_results.round_parts(old, 1, "chain")
+    assert parts["verify"] == pytest.approx(1.2) and parts["rest"] == pytest.approx(0.05)
+    assert plot_results.round_parts(new, 1, "tree") is None and plot_results.round_parts(new, 8, "chain") is None
+    srcs = []
+    for name, rows in (("new", new), ("old", old)):
+        srcs.append((name, tmp_path / f"{name}.json"))
+        srcs[-1][1].write_text(json.dumps({"rows": rows}))
+    out = tmp_path / "round.png"
+    plot_results.plot_round(srcs, out)
+    assert out.stat().st_size > 10_000
