@@ -205,22 +205,23 @@ def build_attention_meta(
     rows write to the trash page).
     """
     tq, width = tree_mask.shape[-2], tree_mask.shape[-1]  # width = R + Tq
-    write_slots, default_anchor = _write_slots(block_table, ctx_len, row_valid, width - tq, tq, page_size)
-    return AttentionMeta(write_slots=write_slots, block_table=block_table, ctx_len=ctx_len,
-                         anchor=default_anchor if anchor is None else anchor, tree_mask=tree_mask,
-                         page_size=page_size, window=window)
+    write_slots = _write_slots(block_table, ctx_len, row_valid, width - tq, tq, page_size)
+    if anchor is None:
+        anchor = (ctx_len - 1)[:, None].expand(block_table.shape[0], tq)
+    return AttentionMeta(write_slots=write_slots, block_table=block_table, ctx_len=ctx_len, anchor=anchor,
+                         tree_mask=tree_mask, page_size=page_size, window=window)
 
 
 @fused
 def _write_slots(block_table: torch.Tensor, ctx_len: torch.Tensor, row_valid: torch.Tensor | None, start: int,
-                 tq: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat write slots [B, Tq] of logical positions ctx_len + start .. + Tq - 1, invalid rows on the trash
-    page; the default anchor ctx_len - 1 [B, Tq]): one fused region on CUDA."""
+                 tq: int, page_size: int) -> torch.Tensor:
+    """Flat write slots [B, Tq] of logical positions ctx_len + start .. + Tq - 1, invalid rows on the trash
+    page: one fused region on CUDA."""
     offsets = torch.arange(start, start + tq, device=block_table.device)
     write_slots = slots_for_positions(block_table, ctx_len[:, None] + offsets, page_size)  # [B, Tq]
     if row_valid is not None:
         write_slots = torch.where(row_valid[:, None], write_slots, torch.full_like(write_slots, TRASH_PAGE * page_size))
-    return write_slots, (ctx_len - 1)[:, None].expand(block_table.shape[0], tq).contiguous()
+    return write_slots
 
 
 class PagedAttend:

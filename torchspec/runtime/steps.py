@@ -108,8 +108,8 @@ def catch_up_drafter(runner: DrafterRunner, caches: Caches, block_table: torch.T
     target states at t); returns (normed, feedback) [B, H] at position ctx + last[b]."""
     b, t = tokens.shape
     positions, mask = _step0_layout(ctx, t, runner.window)
-    meta = build_attention_meta(block_table, ctx, mask, caches.page_size, anchor=positions, window=runner.window,
-                                row_valid=row_valid)
+    meta = build_attention_meta(block_table, ctx, mask.expand(b, t, t), caches.page_size, anchor=positions,
+                                window=runner.window, row_valid=row_valid)
     normed, feedback = runner.forward(tokens, runner.fuse(aux), positions, caches.drafter, meta)
     pick = last[:, None, None].expand(b, 1, normed.shape[-1])
     return torch.gather(normed, 1, pick)[:, 0], torch.gather(feedback, 1, pick)[:, 0]
@@ -117,9 +117,10 @@ def catch_up_drafter(runner: DrafterRunner, caches: Caches, block_table: torch.T
 
 @fused
 def _step0_layout(ctx: torch.Tensor, t: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions ctx .. ctx + t - 1 [B, T] of step-0 entries and their window-causal mask [B, T, T]."""
+    """Positions ctx .. ctx + t - 1 [B, T] of step-0 entries and their window-causal mask [T, T] (the same
+    for every row: callers broadcast it, so a prefill chunk never materialises B x T x T booleans)."""
     positions = ctx[:, None] + torch.arange(t, device=ctx.device)
-    return positions, causal_mask(ctx.shape[0], t, ctx.device, window).contiguous()
+    return positions, causal_mask(1, t, ctx.device, window)[0]
 
 
 def prefill(decoder: TargetDecoder, runner: DrafterRunner | None, caches: Caches, block_table: torch.Tensor,

@@ -175,16 +175,18 @@ def _greedy_walk(best: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
     path = torch.full((b, d + 2), PAD, dtype=torch.long, device=dev)
     cols = torch.where(on_path, depths.clamp(max=d + 1), d + 1)
     path = path.scatter(1, cols, torch.arange(n, device=dev).expand(b, n).where(on_path, PAD))[:, : d + 1]
+    return num, path, best.gather(1, last[:, None]).squeeze(1), _accepted_tokens(tokens, path)
+
+
+def _accepted_tokens(tokens: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """Tokens [B, D] of path[:, 1:] (the drafted nodes accepted), PAD beyond them."""
     drafted = path[:, 1:]  # [B, D]
-    accepted = torch.where(drafted >= 0, tokens.gather(1, drafted.clamp(min=0)), PAD)
-    return num, path, best.gather(1, last[:, None]).squeeze(1), accepted
+    return torch.where(drafted >= 0, tokens.gather(1, drafted.clamp(min=0)), PAD)
 
 
 def _result(tree: DraftTree, path: torch.Tensor, num: torch.Tensor, next_token: torch.Tensor) -> VerifyResult:
-    drafted = path[:, 1:]  # [B, D]
-    tokens = tree.tokens.gather(1, drafted.clamp(min=0))
     return VerifyResult(num_accepted=num, path=path, next_token=next_token,
-                        accepted_tokens=torch.where(drafted >= 0, tokens, PAD))
+                        accepted_tokens=_accepted_tokens(tree.tokens, path))
 
 
 __all__ = ["VerifyResult", "CandidateStep", "PAD", "rejection_step", "verify_greedy", "verify_sampling"]
