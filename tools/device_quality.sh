@@ -24,9 +24,10 @@
 # stage: SWEEP=1 times the attention planner's split counts against explicit ones (alone on the GPU: call 1);
 # PROFILE=1 profiles a SmolLM2-shaped round phase by phase (tools/profile_round.py);
 # regenerate: REGEN_WORKERS worker processes (default three a GPU: 42.0K tokens/s on one H200, against 29.7K for two and 16.3K for one,
-# 2026-12-02) of REGEN_CONC requests each (256), replies of at most REGEN_TOKENS tokens (768; the held-out sets and
-# serving use 256, and SmolLM2's long greedy replies loop: the 23.9M-token run read 3.48 on its first-epoch training
-# batches against 2.01 held out, so 256 is the next thing to try);
+# 2026-12-02) of REGEN_CONC requests each (256), replies of at most REGEN_TOKENS tokens (256, what the held-out sets
+# and serving use: SmolLM2's long greedy replies loop, and at ~24M tokens 256-token replies on all 16,884 conversations
+# gave held-out 3.41 against 2.76 for 768-token replies on 8,000; results.md, tenth session), MAXCONV conversations
+# (default: all 16,884 of the carried subset, 148.5 s with three workers);
 # GPU_TESTS="files" runs those GPU tests (GPU_TEST_S seconds), in stage or beside regenerate's generation.
 # regenerate with REGEN_TGZ="<regen_data.tgz> [regen_b_data.tgz ...]" (earlier calls') skips the regeneration;
 # MORECONV=N then answers the source's next N records into the next run, regen_b, regen_c, ... (returned as
@@ -124,7 +125,7 @@ regenerate_sharegpt() {  # $1: seconds, $2: source, $3: output, $4: conversation
   # three a GPU) of REGEN_CONC requests each
   timeout -s INT "$1" python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" \
     source="$2" output="$3" cache_dir="$W/cache" num_workers=${REGEN_WORKERS:-$(( 3 * NGPU ))} \
-    concurrency=${REGEN_CONC:-256} max_conversations="$4" max_new_tokens=${REGEN_TOKENS:-768} \
+    concurrency=${REGEN_CONC:-256} max_conversations="$4" max_new_tokens=${REGEN_TOKENS:-256} \
     max_context=2048 shard_size=256 2>&1 | tr '\r' '\n' | grep -v "conv/s\]$" | tail -40 | tee -a "$RES/regenerate.log"
 }
 merge_regenerations() {  # $1: the JSONL to write, then the finished regeneration directories, every shard verified
@@ -186,12 +187,14 @@ print(sum(json.load(open(d + '/generation.json'))['settings']['max_conversations
   python3 tools/heldout_conversations.py --prompt-set mtbench --out "$W/mtbench.jsonl"
   python3 -m data_pipelines.regenerate target="$W/smollm2.gguf" source="$W/mtbench.jsonl" output="$W/regen_mtbench" \
     cache_dir="$W/cache" concurrency=80 max_new_tokens=${HELDOUT_TOKENS:-256} max_context=2048 2>&1 | tail -1 | tee -a "$RES/regenerate.log"
-  # MAXCONV: ShareGPT conversations to answer; three workers on one H200 answered 8,000 (7.4M tokens) in 175 s
-  regenerate_sharegpt $(( $(left) - 30 )) "$W/sg_users.jsonl" "$W/regen" "${MAXCONV:-6000}"
+  # MAXCONV: ShareGPT conversations to answer (default all); three workers on one H200 answered 16,884 (6.1M tokens
+  # of 256-token replies) in 149 s
+  MAXCONV=${MAXCONV:-$(wc -l < "$W/sg_users.jsonl")}
+  regenerate_sharegpt $(( $(left) - 30 )) "$W/sg_users.jsonl" "$W/regen" "$MAXCONV"
   if ! grep -qs '"complete": true' "$W/regen/generation.json" && [ "${REGEN_WORKERS:-$(( 3 * NGPU ))}" != "$NGPU" ] \
       && [ "$(left)" -gt 150 ]; then  # several workers a GPU failed: resume their finished shards with one a GPU
     echo "regeneration with ${REGEN_WORKERS:-$(( 3 * NGPU ))} workers did not finish: resuming with $NGPU" | tee -a "$RES/regenerate.log"
-    REGEN_WORKERS=$NGPU REGEN_CONC=$(( 256 / NGPU )) regenerate_sharegpt $(( $(left) - 30 )) "$W/sg_users.jsonl" "$W/regen" "${MAXCONV:-6000}"
+    REGEN_WORKERS=$NGPU REGEN_CONC=$(( 256 / NGPU )) regenerate_sharegpt $(( $(left) - 30 )) "$W/sg_users.jsonl" "$W/regen" "$MAXCONV"
   fi
   cp "$W/regen/generation.json" "$RES/" 2>/dev/null
   tar czf "$OUT/regen_data.tgz" -C "$W" regen regen_mtbench

@@ -236,7 +236,7 @@ def plot_quality(metrics: dict[str, Path], quality: Path, out_acceptance: Path, 
     against concurrency for each drafter, prompt set and mode (tools/bench_quality.py rows)."""
     data = json.loads(quality.read_text())
     colors = {"eagle3": "tab:blue", "eagle4": "tab:orange", "eagle4_27m": "tab:red", "eagle4_21m": "tab:green",
-              "eagle4_24m": "tab:purple"}
+              "eagle4_24m": "tab:purple", "eagle4_26m_r256": "tab:brown"}
     fig, ax = plt.subplots(figsize=(10.5, 4.4))
     for name, src in metrics.items():
         rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
@@ -261,7 +261,7 @@ def plot_quality(metrics: dict[str, Path], quality: Path, out_acceptance: Path, 
     fig.savefig(out_acceptance, dpi=110)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.2), sharey=True)
     styles = {"tree": "-o", "chain": "--s", "sampled_tree": ":^"}
     for ax, prompt_set in zip(axes, ("mtbench", "humaneval")):
         for name in colors:
@@ -275,7 +275,12 @@ def plot_quality(metrics: dict[str, Path], quality: Path, out_acceptance: Path, 
         ax.set_xlabel("concurrency")
         ax.set_title(f"{prompt_set}: served speedup vs plain decoding", fontsize=9)
     axes[0].set_ylabel("speedup (x)")
-    axes[0].legend(fontsize=7)
+    handles = {}  # both panels' lines, once each (a mode measured on one prompt set only is still listed)
+    for ax in axes:
+        for line in ax.get_lines():
+            handles.setdefault(line.get_label(), line)
+    labels = [k for k in handles if not k.startswith("_")]
+    axes[1].legend([handles[k] for k in labels], labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out_speedup, dpi=110)
     plt.close(fig)
@@ -381,6 +386,8 @@ if __name__ == "__main__":
     quality = {name: bench / f"quality_smollm2_{name}_metrics.jsonl" for name in ("eagle3", "eagle4", "eagle4_27m")}
     quality["eagle4_21m"] = bench / "ablation_smollm2_s6" / "ablation_smollm2_eagle4_metrics.jsonl"  # sixth session
     quality["eagle4_24m"] = bench / "quality_smollm2_s8" / "eagle4_24m_metrics.jsonl"  # eighth session
+    # tenth session: every conversation of the subset, replies of at most 256 tokens
+    quality["eagle4_26m_r256"] = bench / "quality_smollm2_s10" / "eagle4_26m_r256_metrics.jsonl"
     if (bench / "quality_smollm2.json").exists() and all(p.exists() for p in quality.values()):
         plot_quality(quality, bench / "quality_smollm2.json", img / "quality_acceptance_vs_tokens.png",
                      img / "quality_speedup_vs_concurrency.png")
