@@ -17,7 +17,9 @@ For one target and one or more drafter exports, on held-out prompt sets:
    and ``simulated_acceptance_marginals = eval/acceptance_length = 1 + sum_k prod_{i<=k} acc_i``.
 3. **Served acceptance and speedup** (``tools/quality_served.py``): ``SpeculativeEngine`` on the same prompt ids: greedy chain of
    depth K (``chain``), greedy dynamic tree of depth K (``tree``; ``--tree-topk``, ``--tree-nodes``)
-   and the T = 1 sampled tree (``sampled_tree``; ``--branching``) at each ``--concurrency``, against
+   and the T = 1 sampled tree (``sampled_tree``; ``--branching``) at each ``--concurrency``, and each greedy
+   tree of ``--tree-shapes`` (depth x topk x nodes; its rows carry their own ``depth``, ``tree_topk`` and
+   ``tree_nodes``; their simulated numbers stay the chain's at ``--depth``), against
    plain decoding of the same decoder at the same concurrency and temperature (``recipes.bench.measure``:
    decode tokens/s and tokens committed per round, bonus included; a warm-up run first).
 4. Rows to ``--out`` (JSON, atomic, rewritten after each drafter; device, args), each with at least ``drafter, train_tokens,
@@ -88,7 +90,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 from quality_responses import ResponseCache, response_settings, target_responses  # noqa: E402
-from quality_served import MODES, TOLERANCE, chosen_prompts, format_row, round_agreement, serve_drafter, timed  # noqa: E402, F401 (round_agreement: the tests read it here)
+from quality_served import (  # noqa: E402, F401 (round_agreement: the tests read it here)
+    MODES,
+    TOLERANCE,
+    chosen_prompts,
+    format_row,
+    mode_label,
+    round_agreement,
+    serve_drafter,
+    timed,
+)
 from quality_simulated import build_eval_engine, held_out_examples, simulate, simulated_entry  # noqa: E402
 
 from recipes.bench import csv_values  # noqa: E402
@@ -122,6 +133,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--concurrency", default="1,8,64", help="comma-separated slot counts")
     p.add_argument("--tree-topk", type=int, default=SpecConfig.topk, help="greedy tree: children per node")
     p.add_argument("--tree-nodes", type=int, default=SpecConfig.num_nodes, help="greedy tree: nodes verified")
+    p.add_argument("--tree-shapes", default="", metavar="DxKxN,...",
+                   help="more greedy trees served beside --modes' (depth x topk x nodes each, e.g. 6x4x24,4x8x32): "
+                        "rows of mode tree with their own depth, tree_topk and tree_nodes")
     p.add_argument("--branching", default=",".join(map(str, SpecConfig.branching)),
                    help="T=1 sampled tree: children per node at each depth")
     p.add_argument("--sim-batch-size", type=int, default=8, help="held-out conversations per unroll batch")
@@ -149,16 +163,34 @@ def _pairs(flag: str, items: list[str]) -> dict[str, str]:
     return out
 
 
+def tree_shapes(value: str) -> list[tuple[int, int, int]]:
+    """``--tree-shapes`` "6x4x24,4x8x32" -> [(depth, topk, nodes), ...]."""
+    shapes = []
+    for item in csv_values("--tree-shapes", value) if value else []:
+        parts = item.split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--tree-shapes {item!r}: write DEPTHxTOPKxNODES, e.g. 6x4x24")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
 def build_specs(args) -> dict[str, SpecConfig]:
-    """mode -> SpecConfig at depth K (validated); the sampled tree is the tree spec at T = 1."""
+    """mode -> SpecConfig at depth K (validated); the sampled tree is the tree spec at T = 1; each of
+    ``--tree-shapes`` is one more greedy tree, served as mode "tree@DxKxN"."""
     branching = tuple(csv_values("--branching", args.branching, int))
     branching += (1,) * max(0, args.depth - len(branching))
     tree = SpecConfig(shape="tree", depth=args.depth, topk=args.tree_topk, num_nodes=args.tree_nodes,
                       branching=branching)
     specs = {"chain": SpecConfig(shape="chain", depth=args.depth, branching=branching), "tree": tree,
              "sampled_tree": tree}
-    for spec in specs.values():
-        spec.validate()
+    for depth, topk, nodes in tree_shapes(args.tree_shapes):
+        specs[f"tree@{depth}x{topk}x{nodes}"] = SpecConfig(shape="tree", depth=depth, topk=topk, num_nodes=nodes,
+                                                           branching=branching + (1,) * max(0, depth - len(branching)))
+    for name, spec in specs.items():
+        try:
+            spec.validate()
+        except ValueError as e:
+            raise ValueError(f"{'--tree-shapes ' + name.split('@')[1] if '@' in name else 'mode ' + name}: {e}") from None
     return specs
 
 
@@ -190,6 +222,7 @@ def check_args(args) -> dict:
         if value is not None:
             check_at_least(flag, value, least)
     specs = build_specs(args)
+    modes += [m for m in specs if "@" in m]  # the extra tree shapes, served after --modes
     check_output_file("--out", args.out)
     sets = {name: read_prompt_set(name)[: args.num_prompts] for name in csv_values("--prompt-set", args.prompt_set)}
     return {"drafters": drafters, "train_tokens": tokens, "modes": modes, "levels": levels, "specs": specs,
@@ -263,7 +296,7 @@ def run(args, on_progress=None) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prompt_ids = {name: render_prompts(tokenizer, prompts) for name, prompts in checked["sets"].items()}
     longest = max(len(i) for ids in prompt_ids.values() for i in ids)
-    slack = 2 * (max(s.num_nodes for s in specs.values()) + args.depth + 1) + 16  # a round's KV beyond the limit
+    slack = 2 * max(s.num_nodes + s.depth + 1 for s in specs.values()) + 16  # a round's KV beyond the limit
     max_context = -(-(longest + args.max_new_tokens + slack) // args.page_size) * args.page_size
     out_path = pathlib.Path(args.out)
     cache = ResponseCache(out_path.with_name(out_path.stem + ".responses.jsonl"))
@@ -279,7 +312,7 @@ def run(args, on_progress=None) -> dict:
         responses[name], n = target_responses(engine, tokenizer, name, prompts, prompt_ids[name],
                                               args.max_new_tokens, cache, settings)
         generated += n
-        for temp in sorted({MODES[m] for m in modes}):
+        for temp in sorted({MODES[m.split('@')[0]] for m in modes}):
             for c in levels:
                 plain[(name, temp, c)], _ = timed(engine, chosen_prompts(prompt_ids[name], c), None, temp,
                                                   args.max_new_tokens, args.seed, c)
@@ -313,11 +346,11 @@ def run(args, on_progress=None) -> dict:
 def print_table(out: dict) -> None:
     print(f"\ndevice: {out['device']} ({out['dtype']}), depth K={out['depth']}; columns marg .. served: the module "
           f"docstring's steps from the trainer's metric to the engine")
-    print(f"{'drafter':<12} {'set':<10} {'mode':<12} {'T':>3} {'c':>4} "
+    print(f"{'drafter':<12} {'set':<10} {'mode':<14} {'T':>3} {'c':>4} "
           + " ".join(f"{k:>6}" for k in DIAGNOSTICS) + f" {'ratio':>6} {'speedup':>7}")
     for r in out["rows"]:
         cells = [r.get(k) for k in (*DIAGNOSTICS.values(), "served_vs_simulated")]
-        print(f"{r['drafter']:<12} {r['prompt_set']:<10} {r['mode']:<12} {r['temperature']:>3} {r['concurrency']:>4} "
+        print(f"{r['drafter']:<12} {r['prompt_set']:<10} {mode_label(r):<14} {r['temperature']:>3} {r['concurrency']:>4} "
               + " ".join(f"{x:6.2f}" if x is not None else f"{'-':>6}" for x in cells) + f" {r['speedup']:7.2f}"
               + ("  !! served chain vs simulated > 5%" if r["flag"] else ""))
     print(f"flagged (greedy chain, |served / simulated - 1| > {out['tolerance']:.0%}): {out['flagged']}")
@@ -326,7 +359,8 @@ def print_table(out: dict) -> None:
 def merge(old: dict, new: dict) -> dict:
     """``--merge``: the old rows and simulated entries this run did not measure again, then the new ones."""
     def key(r: dict) -> tuple:
-        return tuple(r.get(k) for k in ("drafter", "prompt_set", "mode", "temperature", "concurrency", "depth"))
+        return tuple(r.get(k) for k in ("drafter", "prompt_set", "mode", "temperature", "concurrency", "depth",
+                                        "tree_topk", "tree_nodes"))
 
     def sim_key(s: dict) -> tuple:
         return s["drafter"], s["prompt_set"], s["depth"]

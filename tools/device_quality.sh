@@ -111,10 +111,17 @@ attention_sweep() {  # issue 13: the planner's split count against explicit ones
   tail -n 2 "$RES"/attention_split_sweep_*.log
 }
 round_profile() {  # issue 13: a SmolLM2-shaped round phase by phase (cold Triton / inductor compiles: 200 s), with
-  # every graph's replay traced (busy vs idle between kernels); then the plain step at 2K against 32K context
+  # every graph's replay traced (busy vs idle between kernels), then the served tree's shape (PROFILE_TREE, depth x
+  # topk x nodes, default 5x8x32) at b=1; PROFILE=all also times the plain step at 2K against 32K context
   timeout 200 python3 tools/profile_round.py --shape smollm2-135m --batch 1,8 --ctx 512 --timeline \
     --json "$RES/round_profile_smollm2.json" > "$RES/round_profile_smollm2.log" 2>&1
   tail -n 14 "$RES/round_profile_smollm2.log"
+  local d k n; IFS=x read -r d k n <<< "${PROFILE_TREE:-5x8x32}"
+  timeout 150 python3 tools/profile_round.py --shape smollm2-135m --batch 1 --ctx 512 --spec tree --depth "$d" \
+    --topk "$k" --num-nodes "$n" --json "$RES/round_profile_smollm2_tree_${d}x${k}x${n}.json" \
+    > "$RES/round_profile_smollm2_tree.log" 2>&1
+  tail -n 6 "$RES/round_profile_smollm2_tree.log"
+  [ "${PROFILE:-}" = all ] || return 0
   for shape in smollm2-135m qwen3-8b; do for ctx in 2048 32768; do
     timeout 90 python3 tools/profile_decode_step.py --shape $shape --ctx $ctx --max-context 33792 --fuse \
       --json "$RES/decode_step_${shape}_${ctx}.json" > "$RES/decode_step_${shape}_${ctx}.log" 2>&1
@@ -149,7 +156,9 @@ stage)
   # importlib.metadata needs torchspec's own record (the repo runs from PYTHONPATH, not installed)
   mkdir -p /tmp/site/torchspec-0.1.0.dist-info && printf 'Metadata-Version: 2.1\nName: torchspec\nVersion: 0.1.0\n' \
     > /tmp/site/torchspec-0.1.0.dist-info/METADATA
-  cp "$CARRY/.carryA/smol.part1" "$W/" && gunzip -c "$CARRY/.carryA/sg_users.jsonl.gz" > "$W/sg_users.jsonl"
+  cp "$CARRY/.carryA/smol.part1" "$W/" || exit 1
+  # the ShareGPT users' turns (not carried when REGEN_TGZ brings the regenerated data instead)
+  [ -f "$CARRY/.carryA/sg_users.jsonl.gz" ] && gunzip -c "$CARRY/.carryA/sg_users.jsonl.gz" > "$W/sg_users.jsonl"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/gpu.txt"
   [ -n "${SWEEP:-}" ] && attention_sweep
   [ -n "${PROFILE:-}" ] && round_profile
@@ -226,12 +235,13 @@ quality)
   # EQUAL: the runs exported at the last step all of them have a checkpoint of (equal tokens; default every
   # run); any other run (a warm start) is exported at its own last checkpoint. QDEPTHS ("5"; e.g. "5 6 7": the
   # drafter is trained for K = 7 steps), QSETS (mtbench,humaneval),
-  # QMODES (chain,tree,sampled_tree), QCONC (1,8,64): what bench_quality serves; NUM / NUM_HE prompts.
+  # QMODES (chain,tree,sampled_tree), QCONC (1,8,64): what bench_quality serves; QSHAPES: more greedy trees
+  # (bench_quality --tree-shapes, e.g. "6x4x24,4x8x32"); NUM / NUM_HE prompts.
   EQUAL=${EQUAL:-$NAMES}
   common=$(for name in $EQUAL; do ls "$W/$name/checkpoints" | grep step_ | sort; done | sort | uniq -c \
     | awk -v n="$(echo $EQUAL | wc -w)" '$1 == n {print $2}' | tail -1)
   args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --concurrency "${QCONC:-1,8,64}"
-        --modes "${QMODES:-chain,tree,sampled_tree}" --max-new-tokens 256)
+        --modes "${QMODES:-chain,tree,sampled_tree}" --max-new-tokens 256 --tree-shapes "${QSHAPES:-}")
   for name in $NAMES; do
     case " $EQUAL " in *" $name "*) ckpt=$common ;; *) ckpt=$(ls "$W/$name/checkpoints" | grep step_ | sort | tail -1) ;; esac
     exp="$W/${name}_export_${ckpt}"  # one export per checkpoint: a later quality call serves later steps

@@ -82,15 +82,16 @@ def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict
     rows = []
     for set_name, recs in responses.items():
         sim = simulated[(d["drafter"], set_name)]
-        for mode in modes:
+        for label in modes:  # "tree@DxKxN": a greedy tree of --tree-shapes
+            mode, spec = label.split("@")[0], specs[label]
             temp = MODES[mode]
             for c in levels:
-                stats, results = timed(engine, chosen_prompts(prompt_ids[set_name], c), specs[mode], temp,
+                stats, results = timed(engine, chosen_prompts(prompt_ids[set_name], c), spec, temp,
                                        args.max_new_tokens, args.seed, c)
                 base = plain[(set_name, temp, c)]
                 row = {"drafter": d["drafter"], "arch": d["arch"], "train_tokens": d["train_tokens"],
                        "train_step": d["train_step"], "prompt_set": set_name, "mode": mode, "temperature": temp,
-                       "concurrency": c, "depth": args.depth, "simulated_acceptance": sim["simulated_acceptance"],
+                       "concurrency": c, "depth": spec.depth, **_shape(mode, spec), "simulated_acceptance": sim["simulated_acceptance"],
                        "served_acceptance": stats["mean_acceptance"],
                        "served_vs_simulated": stats["mean_acceptance"] / sim["simulated_acceptance"],
                        "speedup": stats["tokens_per_s"] / base["tokens_per_s"], "tokens_per_s": stats["tokens_per_s"],
@@ -112,8 +113,20 @@ def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict
     return rows
 
 
+def _shape(mode: str, spec) -> dict:
+    """A tree row's shape (the chain's is its depth alone)."""
+    if mode == "chain":
+        return {}
+    return {"tree_topk": spec.topk, "tree_nodes": spec.num_nodes} if mode == "tree" else {"branching": list(spec.branching)}
+
+
+def mode_label(r: dict) -> str:
+    """A row's mode, with the greedy tree's shape (depth x topk x nodes)."""
+    return f"tree {r['depth']}x{r['tree_topk']}x{r['tree_nodes']}" if "tree_topk" in r else r["mode"]
+
+
 def format_row(r: dict) -> str:
     agree = f"  rounds agree {r['round_agreement']:.0%}" if "round_agreement" in r else ""
-    return (f"{r['drafter']:<12} {r['prompt_set']:<10} {r['mode']:<12} T={r['temperature']:<3} c={r['concurrency']:<3} "
+    return (f"{r['drafter']:<12} {r['prompt_set']:<10} {mode_label(r):<14} T={r['temperature']:<3} c={r['concurrency']:<3} "
             f"sim {r['simulated_acceptance']:5.2f}  served {r['served_acceptance']:5.2f}  ratio "
             f"{r['served_vs_simulated']:5.2f}  x{r['speedup']:.2f}{agree}{'  !! >5%' if r['flag'] else ''}")

@@ -122,6 +122,22 @@ def test_rows_carry_the_issue_keys_and_merge_replaces_only_remeasured_rows(tool,
         r for r in rows if r["mode"] == "chain" and r["concurrency"] == 1][0]["tokens_per_s"]  # measured again
 
 
+def test_tree_shapes_are_rows_of_their_own_and_merge_keeps_them_apart(tool, pair, prompt_file, tmp_path):
+    out = tmp_path / "q.json"
+    run_tool(tool, pair, prompt_file, out, "--depth", "3", "--concurrency", "1", "--max-new-tokens", "16",
+             "--modes", "tree", "--tree-topk", "4", "--tree-nodes", "8", "--tree-shapes", "2x2x4,4x3x9")
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["depth"], r["tree_topk"], r["tree_nodes"]) for r in rows] == [
+        ("tree", 3, 4, 8), ("tree", 2, 2, 4), ("tree", 4, 3, 9)]
+    assert all(1.0 <= r["served_acceptance"] <= r["depth"] + 1 for r in rows)
+    assert [tool.mode_label(r) for r in rows] == ["tree 3x4x8", "tree 2x2x4", "tree 4x3x9"]
+    run_tool(tool, pair, prompt_file, out, "--depth", "3", "--concurrency", "1", "--max-new-tokens", "16",
+             "--modes", "tree", "--tree-topk", "2", "--tree-nodes", "4", "--merge")
+    merged = json.loads(out.read_text())["rows"]  # 3x2x4 is new: the 3x4x8 row stays beside it
+    assert sorted((r["depth"], r["tree_topk"], r["tree_nodes"]) for r in merged) == [
+        (2, 2, 4), (3, 2, 4), (3, 4, 8), (4, 3, 9)]
+
+
 def test_each_drafters_rows_are_written_before_the_next_is_served(tool, pair, prompt_file, tmp_path, monkeypatch):
     """A run cut short (a time limit, a failing drafter) keeps the rows of the drafters served before."""
     target, drafter = pair
@@ -273,6 +289,8 @@ def test_cached_responses_are_reused_and_a_garbled_line_is_named(tool, pair, pro
     (["--drafter", "no-equals-sign"], "--drafter 'no-equals-sign': write NAME=VALUE"),
     (["--modes", "chain,bogus"], "--modes: ['bogus'] unknown"),
     (["--train-tokens", "other=5"], "no --drafter is named 'other'"),
+    (["--tree-shapes", "6x4"], "--tree-shapes '6x4': write DEPTHxTOPKxNODES"),
+    (["--tree-shapes", "3x2x40"], "--tree-shapes 3x2x40: spec num_nodes=40 must lie in [1, 10]"),
 ])
 def test_bad_options_are_one_line_errors(tool, pair, prompt_file, tmp_path, capsys, bad, message):
     argv = ["--device", "cpu", "--target", pair[0], "--prompt-set", prompt_file, "--out", str(tmp_path / "q.json"), *bad]

@@ -27,6 +27,7 @@ from torchspec.models.base import Drafter
 from torchspec.models.layers import fuse_serving_layers
 from torchspec.models.lm_head import EfficientLMHead
 from torchspec.runtime.paged_kv import AttentionMeta, PagedAttend, PagedKVCache
+from torchspec.runtime.tree_select import log_top
 
 
 class DrafterRunner:
@@ -105,13 +106,10 @@ class DrafterRunner:
         """[..., H] -> (log-probabilities [..., k] descending, target ids [..., k]): the draft
         distribution's k most likely tokens, = ``log_softmax(logits(normed)).topk(k)`` without a
         vocabulary-wide log-softmax. An efficient head scores only its candidates (everything else is
-        -inf, so their log-sum-exp is the whole one): nothing vocabulary-wide is materialised at all."""
+        -inf, so their log-sum-exp is the whole one): nothing vocabulary-wide is materialised at all. The
+        softmax and top-k are one fused region on CUDA (``tree_select.log_top``)."""
         head = self.model.lm_head
         if isinstance(head, EfficientLMHead) and k <= head.topk:
             ids, logits = head.candidates(normed)
-            logits = logits.float()
-            top, pos = logits.topk(k, dim=-1)
-            return top - torch.logsumexp(logits, dim=-1, keepdim=True), torch.gather(ids, -1, pos)
-        logits = self.logits(normed)
-        top, ids = logits.topk(k, dim=-1)
-        return top - torch.logsumexp(logits, dim=-1, keepdim=True), ids
+            return log_top(logits, k, ids)
+        return log_top(self.logits(normed), k)

@@ -32,7 +32,6 @@ n = ctx - 1 (``torchspec/runtime/drafter_runner.py``).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +40,7 @@ from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.paged_kv import TRASH_PAGE, AttentionMeta, PagedKVCache, slots_for_positions
 from torchspec.runtime.sampling import RowSampling, SamplingParams, process_logits, sample_without_replacement
 from torchspec.runtime.tree import DraftTree, chain_tree
+from torchspec.runtime.tree_select import assemble_tree, expand_frontier, with_ancestors
 
 SHAPES = ("tree", "chain")
 CANDIDATES = ("auto", "sampled", "deterministic")
@@ -139,8 +139,9 @@ class _DraftWriter:
     """Runs the drafter on successive frontiers, tracking each frontier node's draft ancestors.
 
     The cache slots of every draft node of the round are looked up once (``slots``, [B, total]);
-    each depth takes the next ``f`` of them, so a depth adds no block-table arithmetic; the slot
-    identity (a node sees its own slot) and every depth's RoPE positions are built once too."""
+    each depth takes the next ``f`` of them, so a depth adds no block-table arithmetic; every depth's
+    RoPE positions are built once too. A depth's ancestor mask is one fused region on CUDA
+    (``tree_select.with_ancestors``)."""
 
     def __init__(self, runner: DrafterRunner, cache: PagedKVCache, inputs: DraftInputs, total_slots: int,
                  depth: int):
@@ -156,22 +157,13 @@ class _DraftWriter:
         self.anchor = inputs.ctx_len - 1  # n: the last committed position
         self.positions = self.anchor[:, None] + torch.arange(depth, device=dev)  # [B, depth]: depth d at n + d
 
-    @functools.cached_property
-    def eye(self) -> torch.Tensor:
-        """[total, total] bool: the slot identity (a node sees its own slot), built on a tree's first depth."""
-        idx = torch.arange(self.total, device=self.slots.device)
-        return idx[:, None] == idx[None, :]
-
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, parent_rows: torch.Tensor | None,
             depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft nodes tokens [B, F] at ``depth`` (hidden [B, F, H]; parent_rows [B, F] index the
         previous frontier, None at depth 1) -> (normed, feedback) [B, F, H]."""
         b, f = tokens.shape
-        own = self.eye[None, self.written:self.written + f].expand(b, f, self.total)  # each node its own slot
-        if parent_rows is not None:
-            own = own | torch.gather(self.anc, 1, parent_rows[:, :, None].expand(b, f, self.total))
-        self.anc = own
-        return self.forward(tokens, hidden, own, self.positions[:, depth:depth + 1].expand(b, f))
+        self.anc = with_ancestors(self.anc, parent_rows, self.written, f)  # each node: its slot + its ancestors'
+        return self.forward(tokens, hidden, self.anc, self.positions[:, depth:depth + 1].expand(b, f))
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, own: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,9 +189,7 @@ def draft_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInp
     dev = inp.root.device
     writer = _DraftWriter(runner, cache, inp, max(1, (depth - 1) * k), depth)
     sc, tok = _top(runner, inp.normed, k, params)  # [B, k], sorted
-    pool_tok, pool_sc = [tok], [sc]
-    pool_parent = [torch.full((b, k), -1, dtype=torch.long, device=dev)]
-    pool_depth = [torch.ones(b, k, dtype=torch.long, device=dev)]
+    pool_tok, pool_sc, pool_parent = [tok], [sc], []
     front_idx = torch.arange(k, device=dev).expand(b, k)  # pool index of each frontier node
     front_tok, front_sc = tok, sc
     front_hidden = inp.feedback[:, None].expand(b, k, -1)
@@ -208,41 +198,17 @@ def draft_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInp
     for d in range(1, depth):
         normed, feedback = writer.run(front_tok, front_hidden, parent_rows, d)
         csc, ctok = _top(runner, normed, k, params)  # [B, k, k]
-        cum = (front_sc[:, :, None] + csc).reshape(b, k * k)
-        pool_tok.append(ctok.reshape(b, k * k))
-        pool_sc.append(cum)
-        pool_parent.append(front_idx[:, :, None].expand(b, k, k).reshape(b, k * k))
-        pool_depth.append(torch.full((b, k * k), d + 1, dtype=torch.long, device=dev))
-        if d < depth - 1:
-            pick = torch.sort(cum, dim=-1, descending=True, stable=True).indices[:, :k]  # [B, k]
-            parent_rows = pick // k
-            front_idx = base + pick
-            front_tok = torch.gather(ctok.reshape(b, k * k), 1, pick)
-            front_sc = torch.gather(cum, 1, pick)
-            front_hidden = torch.gather(feedback, 1, parent_rows[:, :, None].expand(-1, -1, feedback.shape[-1]))
+        last = d == depth - 1
+        out = expand_frontier(front_sc, csc, ctok, front_idx, feedback, base, last)
+        pool_sc.append(out[0]), pool_tok.append(out[1]), pool_parent.append(out[2])
+        if not last:
+            parent_rows, front_idx, front_tok, front_sc, front_hidden = out[3:]
         base += k * k
-    tokens, scores = torch.cat(pool_tok, 1), torch.cat(pool_sc, 1)
-    parents, depths = torch.cat(pool_parent, 1), torch.cat(pool_depth, 1)
-    keep = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :m]
-    keep = torch.sort(keep, dim=-1).values  # pool order is topological
-    node_of = torch.zeros_like(tokens)  # pool index -> node index (0 = root / not kept)
-    node_of.scatter_(1, keep, torch.arange(1, m + 1, device=dev).expand(b, m))
-    kept_parent = torch.gather(parents, 1, keep)
-    node_parent = torch.where(kept_parent < 0, torch.zeros_like(kept_parent),
-                              torch.gather(node_of, 1, kept_parent.clamp(min=0)))
-    all_parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), node_parent], 1)
-    earlier = torch.tril(torch.ones(m + 1, m + 1, dtype=torch.bool, device=dev), diagonal=-1)
-    same = all_parents[:, :, None] == all_parents[:, None, :]
-    rank = (same & earlier).sum(-1)
-    return DraftTree(
-        tokens=torch.cat([inp.root[:, None], torch.gather(tokens, 1, keep)], 1),
-        parents=all_parents,
-        depths=torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), torch.gather(depths, 1, keep)], 1),
-        valid=torch.ones(b, m + 1, dtype=torch.bool, device=dev),
-        sampled=torch.zeros(b, m + 1, dtype=torch.bool, device=dev),
-        sibling_rank=rank,
-        dist_index=torch.full((b, m + 1), -1, dtype=torch.long, device=dev),
-    )
+    tokens, parents, depths, rank = assemble_tree(inp.root, pool_tok, pool_sc, pool_parent, m)
+    return DraftTree(tokens=tokens, parents=parents, depths=depths,
+                     valid=torch.ones(b, m + 1, dtype=torch.bool, device=dev),
+                     sampled=torch.zeros(b, m + 1, dtype=torch.bool, device=dev), sibling_rank=rank,
+                     dist_index=torch.full((b, m + 1), -1, dtype=torch.long, device=dev))
 
 
 def draft_greedy_chain(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig) -> DraftTree:
