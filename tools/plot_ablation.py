@@ -8,6 +8,13 @@ mean load, 1.0 = balanced). The warm run's tokens are counted from its own start
 was converted from is drawn at the tokens it had then.
 
     python tools/plot_ablation.py --depth 5 --warm-from eagle3   # -> docs/img/ablation_smollm2.png
+    python tools/plot_ablation.py --bench docs/bench/quality_smollm2_s11 --out docs/img/warm_start_s11.png \
+        --json docs/bench/warm_start_smollm2_s11_h200.json          # + the table below, as JSON
+
+``--json`` also prints and writes the numbers the plot shows: each run's last evaluation, every run against
+``--warm-from`` at the evaluations both have (equal tokens), and the warm start's tokens to reach
+``--warm-from``'s last acceptance (first evaluation at or above it) as a share of that run's tokens, with the
+warm run's acceptance at 10% of them (issue 15's bound; interpolated between its evaluations).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from torchspec.io import atomic_write_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "docs" / "bench"
@@ -48,8 +57,54 @@ def tokens_to_reach(curve: list[tuple[float, float]], level: float) -> float | N
     return next((t for t, a in curve if a >= level), None)
 
 
+def interpolate(curve: list[tuple[float, float]], tokens: float) -> float | None:
+    """Acceptance at ``tokens``, linear between evaluations (None outside the evaluated range)."""
+    for (t0, a0), (t1, a1) in zip(curve, curve[1:]):
+        if t0 <= tokens <= t1:
+            return a0 if t1 == t0 else a0 + (a1 - a0) * (tokens - t0) / (t1 - t0)
+    return None
+
+
+def summary(runs: dict[str, list[dict]], depth: int, warm: str, warm_from: str) -> dict:
+    """The numbers behind the plot (module docstring, ``--json``)."""
+    curves = {name: held_out_curve(rows, depth) for name, rows in runs.items()}
+    curves = {name: c for name, c in curves.items() if c}
+    out: dict = {"depth": depth, "metric": f"eval/chain_acceptance_d{depth}",
+                 "last": {name: {"tokens": c[-1][0], "acceptance": c[-1][1]} for name, c in curves.items()}}
+    base = dict(curves.get(warm_from, []))
+    out["equal_tokens"] = [{"run": name, "tokens": t, "acceptance": a, warm_from: base[t], "ratio": a / base[t]}
+                           for name, c in curves.items() if name not in (warm, warm_from)
+                           for t, a in c if t in base and t > 0]
+    if warm in curves and warm_from in curves:
+        level, source_tokens = curves[warm_from][-1][1], curves[warm_from][-1][0]
+        reach = tokens_to_reach(curves[warm], level)
+        out["warm_start"] = {"source": warm_from, "source_tokens": source_tokens, "source_acceptance": level,
+                             "converted_acceptance": curves[warm][0][1], "tokens_to_reach": reach,
+                             "share_of_source_tokens": None if reach is None else reach / source_tokens,
+                             "acceptance_at_10pct": interpolate(curves[warm], 0.1 * source_tokens),
+                             "warm_last": {"tokens": curves[warm][-1][0], "acceptance": curves[warm][-1][1]}}
+    return out
+
+
+def print_summary(s: dict, warm_from: str) -> None:
+    print(f"{'run':<10} {'tokens':>8} {s['metric']}")
+    for name, last in s["last"].items():
+        print(f"{name:<10} {last['tokens'] / 1e6:7.2f}M {last['acceptance']:.3f}")
+    for row in s["equal_tokens"]:
+        print(f"{row['run']:<10} {row['tokens'] / 1e6:7.2f}M {row['acceptance']:.3f} vs {warm_from} "
+              f"{row[warm_from]:.3f}: x{row['ratio']:.3f}")
+    w = s.get("warm_start")
+    if w:
+        at10 = "n/a" if w["acceptance_at_10pct"] is None else f"{w['acceptance_at_10pct']:.3f}"
+        reach = ("never" if w["tokens_to_reach"] is None else
+                 f"{w['tokens_to_reach'] / 1e6:.2f}M tokens ({w['share_of_source_tokens']:.1%} of {warm_from}'s)")
+        print(f"warm start: converted {w['converted_acceptance']:.3f}; at 10% of {warm_from}'s "
+              f"{w['source_tokens'] / 1e6:.2f}M tokens {at10} against {w['source_acceptance']:.3f}; reaches it: {reach}")
+
+
 def plot(runs: dict[str, list[dict]], depth: int, warm: str, warm_from: str, out: Path) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    moe = any("train/moe_load_imbalance" in r for rows in runs.values() for r in rows)
+    fig, axes = plt.subplots(1, 3 if moe else 2, figsize=(15 if moe else 10.5, 4.2))
     ax = axes[0]
     for name, rows in runs.items():
         if name != warm:
@@ -73,11 +128,13 @@ def plot(runs: dict[str, list[dict]], depth: int, warm: str, warm_from: str, out
             cold = held_out_curve(runs["eagle4"], depth)
             ax.plot([t / 1e6 for t, _ in cold], [a for _, a in cold], "--", color="tab:orange", label="eagle4 (from scratch)")
         ax.axhline(level, color="tab:blue", lw=0.8, ls=":")
+        ax.axvline(0.1 * base[-1][0] / 1e6, color="k", lw=0.8, ls=":", label=f"10% of {warm_from}'s tokens")
         reach = tokens_to_reach(warm_curve, level)
         note = (f"reaches {level:.2f} after {reach / 1e6:.2f}M tokens = {reach / base[-1][0]:.1%} of {warm_from}'s"
                 if reach is not None else f"does not reach {level:.2f}")
         ax.set_title(f"warm start: {note}", fontsize=9)
         ax.set_xscale("symlog", linthresh=0.5)
+        ax.set_xlim(left=0)
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, f"no warm start here: runs '{warm}' and '{warm_from}' are both needed",
@@ -85,6 +142,9 @@ def plot(runs: dict[str, list[dict]], depth: int, warm: str, warm_from: str, out
         ax.set_xticks([]), ax.set_yticks([])
     ax.set_xlabel("training tokens (millions; warm: since the conversion)")
 
+    if not moe:
+        _save(fig, out)
+        return
     ax = axes[2]
     for name, rows in runs.items():
         pts = [(r["train/tokens"] / 1e6, r["train/moe_load_imbalance"]) for r in rows
@@ -101,6 +161,10 @@ def plot(runs: dict[str, list[dict]], depth: int, warm: str, warm_from: str, out
     ax.set_title("MoE expert balance", fontsize=9)
     if ax.lines[1:]:
         ax.legend(fontsize=7)
+    _save(fig, out)
+
+
+def _save(fig, out: Path) -> None:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -114,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warm", default="warm", help="the warm-started run's name")
     p.add_argument("--warm-from", default="eagle3", help="the run it was converted from")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "ablation_smollm2.png")
+    p.add_argument("--json", type=Path, default=None, help="also print the summary table and write it here")
     args = p.parse_args(argv)
     runs = read_runs(args.bench)
     if not runs:
@@ -121,6 +186,12 @@ def main(argv: list[str] | None = None) -> None:
                          f"res/<run>_metrics.jsonl there first")
     plot(runs, args.depth, args.warm, args.warm_from, args.out)
     print("wrote", args.out)
+    if args.json:
+        s = summary(runs, args.depth, args.warm, args.warm_from)
+        print_summary(s, args.warm_from)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(str(args.json), json.dumps(s, indent=1) + "\n")
+        print("wrote", args.json)
 
 
 if __name__ == "__main__":

@@ -236,7 +236,7 @@ def plot_quality(metrics: dict[str, Path], quality: Path, out_acceptance: Path, 
     against concurrency for each drafter, prompt set and mode (tools/bench_quality.py rows)."""
     data = json.loads(quality.read_text())
     colors = {"eagle3": "tab:blue", "eagle4": "tab:orange", "eagle4_27m": "tab:red", "eagle4_21m": "tab:green",
-              "eagle4_24m": "tab:purple", "eagle4_26m_r256": "tab:brown"}
+              "eagle4_24m": "tab:purple", "eagle4_26m_r256": "tab:brown", "eagle4_21m_s11": "tab:olive"}
     fig, ax = plt.subplots(figsize=(10.5, 4.4))
     for name, src in metrics.items():
         rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
@@ -388,6 +388,8 @@ if __name__ == "__main__":
     quality["eagle4_24m"] = bench / "quality_smollm2_s8" / "eagle4_24m_metrics.jsonl"  # eighth session
     # tenth session: every conversation of the subset, replies of at most 256 tokens
     quality["eagle4_26m_r256"] = bench / "quality_smollm2_s10" / "eagle4_26m_r256_metrics.jsonl"
+    # eleventh session: the same data regenerated again, trained beside EAGLE-3, the tree's selection fused
+    quality["eagle4_21m_s11"] = bench / "quality_smollm2_s11" / "ablation_smollm2_eagle4_metrics.jsonl"
     if (bench / "quality_smollm2.json").exists() and all(p.exists() for p in quality.values()):
         plot_quality(quality, bench / "quality_smollm2.json", img / "quality_acceptance_vs_tokens.png",
                      img / "quality_speedup_vs_concurrency.png")

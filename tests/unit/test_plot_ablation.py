@@ -40,6 +40,26 @@ def test_curves_tokens_to_reach_and_the_png(tmp_path):
     assert out.stat().st_size > 10_000
 
 
+def test_summary_equal_tokens_and_warm_start(tmp_path, capsys):
+    _write(tmp_path, "eagle3", [(0, 0, 1.0), (100, 1e6, 1.5), (200, 2e6, 1.9), (300, 3e6, 2.1)])
+    _write(tmp_path, "eagle4", [(0, 0, 1.0), (100, 1e6, 1.6), (200, 2e6, 2.0), (400, 4e6, 2.5)])
+    _write(tmp_path, "warm", [(0, 0, 1.2), (10, 2e5, 1.4), (20, 4e5, 1.8)])
+    s = plot_ablation.summary(plot_ablation.read_runs(tmp_path), 5, "warm", "eagle3")
+    assert s["last"]["eagle4"] == {"tokens": 4e6, "acceptance": 2.5}
+    # equal tokens: the evaluations both runs have (not step 0, not eagle4's 4M)
+    assert [(r["tokens"], r["ratio"]) for r in s["equal_tokens"]] == [(1e6, pytest.approx(1.6 / 1.5)),
+                                                                       (2e6, pytest.approx(2.0 / 1.9))]
+    w = s["warm_start"]
+    assert (w["source_acceptance"], w["source_tokens"], w["converted_acceptance"]) == (2.1, 3e6, 1.2)
+    assert w["tokens_to_reach"] is None and w["share_of_source_tokens"] is None
+    assert w["acceptance_at_10pct"] == pytest.approx(1.4 + 0.4 * (3e5 - 2e5) / 2e5)  # between 2e5 and 4e5
+    assert plot_ablation.interpolate([(0, 1.0), (1, 2.0)], 5) is None
+    out = tmp_path / "s.json"
+    plot_ablation.main(["--bench", str(tmp_path), "--out", str(tmp_path / "a.png"), "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(s))
+    assert "reaches it: never" in capsys.readouterr().out
+
+
 def test_no_metrics_is_a_one_line_error(tmp_path):
     with pytest.raises(SystemExit, match="no ablation_smollm2_<run>_metrics.jsonl"):
         plot_ablation.main(["--bench", str(tmp_path)])
