@@ -49,6 +49,11 @@ argmaxes are read from the trainer's own fused head-loss call (checked against t
     replay   the greedy chain rounds serving runs, walked over those per-position results (start
              after the first generated token, advance by accepted + 1): replay - chain is how serving
              weights positions (it starts rounds only where the previous round ended)
+    stext    (greedy chain rows) the same unroll run on the text serving produced (prompt + served ids) and
+             walked like ``replay`` (``simulated_replay_served_text``); ``served_vs_replay_served_text``, over
+             the same sequences, is 1 unless the runtime and the unroll disagree on that text, so a served vs
+             simulated gap with it at 1 is serving's text parting from the cached response at bf16 near-ties
+             (``diverged_responses`` of them), not positions, window, norms or feedback
     served   the engine: served - replay is the last round of each sequence (serving counts drafts
              accepted past the stop token or the token limit) and numerics (bf16 serving)
 
@@ -82,6 +87,7 @@ import platform
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -100,7 +106,14 @@ from quality_served import (  # noqa: E402, F401 (round_agreement: the tests rea
     serve_drafter,
     timed,
 )
-from quality_simulated import build_eval_engine, held_out_examples, simulate, simulated_entry  # noqa: E402
+from quality_simulated import (  # noqa: E402
+    build_eval_engine,
+    held_out_examples,
+    served_text_examples,
+    served_text_replay,
+    simulate,
+    simulated_entry,
+)
 
 from recipes.bench import csv_values  # noqa: E402
 from torchspec.cli import ArgumentParser, check_at_least, user_errors  # noqa: E402
@@ -112,7 +125,8 @@ ROW_KEYS = ("drafter", "train_tokens", "prompt_set", "mode", "temperature", "con
 ARCHS = {"torchspec_eagle4": "eagle4", "torchspec_eagle3": "eagle3"}
 DIAGNOSTICS = {"marg": "simulated_acceptance_marginals", "sim": "simulated_acceptance",
                "ids": "simulated_served_ids", "starts": "simulated_round_starts",
-               "chain": "simulated_chain_mean", "replay": "simulated_replay", "served": "served_acceptance"}
+               "chain": "simulated_chain_mean", "replay": "simulated_replay", "stext": "simulated_replay_served_text",
+               "served": "served_acceptance"}
 
 
 # --- options -------------------------------------------------------------------------------------------
@@ -251,9 +265,11 @@ def drafter_record(name: str, path: str, train_tokens: int | None) -> dict:
 # --- the run ---------------------------------------------------------------------------------------------
 
 def simulate_drafters(path: str, drafters: dict, responses: dict, tokenizer, args, dtype, device, max_context: int,
-                      pad_id: int) -> dict[tuple[str, str], dict]:
+                      pad_id: int) -> tuple[dict[tuple[str, str], dict], Callable]:
     """The ``simulated`` entry of every drafter x prompt set: the trainer's evaluation on a capture target
-    with the drafter's aux ids (captures shared by drafters with the same ids)."""
+    with the drafter's aux ids (captures shared by drafters with the same ids); and
+    ``replay_served(drafter, records, results)``: the same unroll on the text serving produced
+    (``quality_simulated.served_text_replay``, for the greedy chain rows)."""
     from torchspec.export.serving import load_exported_drafter
     from torchspec.runtime.loading import decoder_identity
     from torchspec.targets import TargetDecoder
@@ -261,14 +277,14 @@ def simulate_drafters(path: str, drafters: dict, responses: dict, tokenizer, arg
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
     max_length = args.max_length or max_context
     examples = {name: held_out_examples(tokenizer, recs, max_length) for name, recs in responses.items()}
-    simulated, captures, targets = {}, {}, {}
+    simulated, captures, targets, engines = {}, {}, {}, {}
     for name, d in drafters.items():
         aux = tuple(d["aux_layer_ids"])
         if aux not in targets:
             targets[aux] = TargetDecoder.from_pretrained(path, aux_layer_ids=list(aux), dtype=dtype, device=device)
         target = targets[aux]
         model = load_exported_drafter(d["path"], target=decoder_identity(target), dtype=torch.float32)
-        engine = build_eval_engine(model.to(device), precision)
+        engine = engines[name] = build_eval_engine(model.to(device), precision)
         for set_name, (text_examples, served_examples, counts) in examples.items():
             text_metrics, _ = simulate(target, engine, text_examples, args.depth, args.sim_batch_size, pad_id,
                                        captures.setdefault((aux, set_name, "text"), {}))
@@ -276,7 +292,14 @@ def simulate_drafters(path: str, drafters: dict, responses: dict, tokenizer, arg
                                                 pad_id, captures.setdefault((aux, set_name, "ids"), {}))
             simulated[(name, set_name)] = simulated_entry(name, set_name, args.depth, counts, text_metrics,
                                                           ids_metrics, responses[set_name], per_example)
-    return simulated
+
+    def replay_served(name: str, records: list[dict], results) -> dict:
+        examples, served, diverged = served_text_examples(records, results)
+        target = targets[tuple(drafters[name]["aux_layer_ids"])]
+        _, per_example = simulate(target, engines[name], examples, args.depth, args.sim_batch_size, pad_id, {})
+        return {**served_text_replay(per_example, served, results), "diverged_responses": diverged}
+
+    return simulated, replay_served
 
 
 def run(args, on_progress=None) -> dict:
@@ -321,7 +344,8 @@ def run(args, on_progress=None) -> dict:
     del engine
 
     # 2. simulated on the unfused target of training capture (serving fused its own copy); 3. served
-    simulated = simulate_drafters(path, drafters, responses, tokenizer, args, dtype, device, max_context, pad_id)
+    simulated, replay_served = simulate_drafters(path, drafters, responses, tokenizer, args, dtype, device,
+                                                 max_context, pad_id)
     rows: list[dict] = []
 
     def content() -> dict:
@@ -337,7 +361,7 @@ def run(args, on_progress=None) -> dict:
 
     for d in drafters.values():
         rows += serve_drafter(d, decoder, tokenizer, responses, prompt_ids, simulated, plain, specs, modes, levels,
-                              max_context, args)
+                              max_context, args, replay_served)
         if on_progress is not None:
             on_progress(content())
     return content()

@@ -10,6 +10,8 @@ more than ``TOLERANCE`` is flagged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from quality_simulated import chain_length
 
@@ -68,8 +70,11 @@ def round_agreement(results, records: list[dict], per_example: list[torch.Tensor
 
 
 def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict, simulated: dict, plain: dict,
-                  specs: dict, modes: list[str], levels: list[int], max_context: int, args) -> list[dict]:
-    """One drafter served in every mode at every concurrency on every prompt set: its rows."""
+                  specs: dict, modes: list[str], levels: list[int], max_context: int, args,
+                  replay_served: Callable | None = None) -> list[dict]:
+    """One drafter served in every mode at every concurrency on every prompt set: its rows. A greedy chain
+    row also gets ``replay_served(drafter, records, results)``'s numbers: the unroll walked over the text
+    serving produced (``simulated_replay_served_text``, ``served_vs_replay_served_text``, ``diverged_responses``)."""
     from torchspec.export.serving import load_exported_drafter
     from torchspec.runtime.drafter_runner import DrafterRunner
     from torchspec.runtime.engine import SpeculativeEngine
@@ -107,6 +112,8 @@ def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict
                 if greedy_chain:
                     matched, compared = round_agreement(results, recs, sim["_per_example"])
                     row.update(round_agreement=matched / max(compared, 1), rounds_compared=compared)
+                    if replay_served is not None:
+                        row.update(replay_served(d["drafter"], recs, results))
                 row["flag"] = greedy_chain and abs(row["served_vs_simulated"] - 1) > TOLERANCE
                 rows.append(row)
                 print(format_row(row), flush=True)
@@ -127,6 +134,9 @@ def mode_label(r: dict) -> str:
 
 def format_row(r: dict) -> str:
     agree = f"  rounds agree {r['round_agreement']:.0%}" if "round_agreement" in r else ""
+    if r.get("served_vs_replay_served_text") is not None:
+        agree += (f"  on served text {r['served_vs_replay_served_text']:.2f} "
+                  f"({r['diverged_responses']} responses diverged)")
     return (f"{r['drafter']:<12} {r['prompt_set']:<10} {mode_label(r):<14} T={r['temperature']:<3} c={r['concurrency']:<3} "
             f"sim {r['simulated_acceptance']:5.2f}  served {r['served_acceptance']:5.2f}  ratio "
             f"{r['served_vs_simulated']:5.2f}  x{r['speedup']:.2f}{agree}{'  !! >5%' if r['flag'] else ''}")

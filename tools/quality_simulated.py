@@ -145,6 +145,37 @@ def replay_rounds(correct: torch.Tensor, prompt_len: int, num_generated: int) ->
     return rounds
 
 
+def served_text_examples(records: list[dict], results) -> tuple[list, list[dict], int]:
+    """What serving generated, as examples for ``simulate``: per record (``results`` beyond the records are
+    repeats of the prompts) its prompt ids + the served token ids, mask on the latter -> (examples, records of
+    the served text, how many differ from the cached response: bf16 serving may part from it at a near-tie)."""
+    from torchspec.data import Example
+
+    examples, served, diverged = [], [], 0
+    for rec, res in zip(records, results):
+        ids = list(rec["prompt_ids"]) + list(res.token_ids)
+        mask = [0] * len(rec["prompt_ids"]) + [1] * len(res.token_ids)
+        examples.append(Example(torch.tensor(ids), torch.tensor(mask)))
+        served.append({"prompt_ids": rec["prompt_ids"], "token_ids": list(res.token_ids)})
+        diverged += list(res.token_ids) != list(rec["token_ids"])
+    return examples, served, diverged
+
+
+def served_text_replay(per_example: list[torch.Tensor], served: list[dict], results) -> dict:
+    """The chain rounds the unroll predicts on the served text itself, against the rounds served on it:
+    ``simulated_replay_served_text`` (rounds walked as ``replay_rounds``), ``served_on_these`` (the same
+    sequences' served acceptance) and their ratio. Off 1 only if the runtime and the unroll disagree on the
+    text serving produced; a served-vs-simulated gap with this at 1 is the text's divergence alone."""
+    replays = [replay_rounds(both[0], len(rec["prompt_ids"]), len(rec["token_ids"]))
+               for rec, both in zip(served, per_example)]
+    rounds = sum(map(len, replays))
+    served_rounds = sum(len(r.accept_lengths) for r in results[: len(served)])
+    replay = sum(map(sum, replays)) / rounds if rounds else None
+    on_these = sum(sum(r.accept_lengths) for r in results[: len(served)]) / served_rounds if served_rounds else None
+    return {"simulated_replay_served_text": replay, "served_on_served_text": on_these,
+            "served_vs_replay_served_text": on_these / replay if replay and on_these else None}
+
+
 def simulated_entry(name: str, set_name: str, depth: int, counts: dict, text_metrics: dict, ids_metrics: dict,
                     records: list[dict], per_example: list[torch.Tensor]) -> dict:
     """One drafter x prompt set: marg, sim, ids, starts, chain and replay of bench_quality's docstring

@@ -12,6 +12,9 @@ and the drafter exact (every draft accepted). In fp32:
   and its output is the cached greedy response token for token;
 * the chain rounds serving runs are exactly the rounds walked over the trainer's per-position unroll
   results (round for round; off-by-one start positions must not agree: positive controls);
+* the unroll walked over the text serving produced is served round for round, also when the cached
+  response it is compared with was edited (text divergence: the served-vs-simulated gap moves, this
+  ratio stays 1), and not under a runtime off-by-one (positive control);
 * the trainer's chain acceptance (``simulated_acceptance``: greedy chain rounds walked over each
   response like serving) on the served ids is exactly the tool's replay of serving's rounds, and not
   the mean over every start position (a positive control);
@@ -191,6 +194,32 @@ def test_served_rounds_are_the_unroll_walked_like_serving(tool, chain_run, pair)
     assert matched < compared
 
 
+def test_the_unroll_on_the_served_text_is_served_round_for_round(tool, pair, prompt_file, tmp_path, chain_run):
+    """``simulated_replay_served_text``: the unroll walked over what serving generated. fp32 serving is the cached
+    response, so it is the replay and served / it is exactly 1. Positive control for what it separates: a cached
+    response edited past its 4th token (as bf16 serving would part from it at a near-tie) moves the replay of the
+    cached text and the served vs simulated ratio, but not the served-text ratio, which stays exactly 1."""
+    row = chain_run["rows"][0]
+    assert row["diverged_responses"] == 0 and row["served_vs_replay_served_text"] == 1.0
+    assert row["simulated_replay_served_text"] == pytest.approx(row["simulated_replay"], rel=1e-12)
+    out, args = tmp_path / "q.json", ("--modes", "chain", "--concurrency", "1", "--depth", "4", "--max-new-tokens", "40")
+    cache = out.with_name("q.responses.jsonl")
+    cache.write_text(Path(chain_run["responses"]["path"]).read_text())
+    lines = cache.read_text().splitlines()
+    edited = json.loads(lines[2])
+    edited["token_ids"] = edited["token_ids"][:4] + edited["token_ids"][4:][::-1]  # same length, other text
+    assert edited["token_ids"] != json.loads(lines[2])["token_ids"]
+    lines[2] = json.dumps(edited)
+    cache.write_text("\n".join(lines) + "\n")
+    moved = run_tool(tool, pair, prompt_file, out, *args)
+    assert moved["responses"]["reused"] == 4
+    row2 = moved["rows"][0]
+    assert row2["served_acceptance"] == row["served_acceptance"]  # the engine's output did not change
+    assert row2["simulated_replay"] != pytest.approx(row["simulated_replay"], rel=1e-6)
+    assert row2["diverged_responses"] == 1 and row2["served_vs_replay_served_text"] == 1.0
+    assert row2["rounds_compared"] < row["rounds_compared"]
+
+
 def test_the_trainer_chain_is_servings_rounds_replayed(tool, chain_run):
     """fp32, full head: the trainer's ``eval/chain_acceptance`` on the served ids walks the rounds serving runs
     (first round after the prefill's token, each the leading run + 1, the last cut at the response's end):
@@ -213,6 +242,7 @@ def test_a_runtime_off_by_one_shows_as_disagreeing_rounds(tool, pair, prompt_fil
     out = run_tool(tool, pair, prompt_file, tmp_path / "q.json", "--modes", "chain", "--concurrency", "1",
                    "--depth", "4", "--max-new-tokens", "40")
     assert out["rows"][0]["round_agreement"] < 1.0
+    assert out["rows"][0]["served_vs_replay_served_text"] != 1.0  # on serving's own text too
 
 
 def test_exact_drafter_simulated_equals_served_and_the_imperfect_gap_is_the_metric(tool, exact_pair, prompt_file,
