@@ -89,19 +89,27 @@ def test_tp_not_dividing_world_is_refused(tmp_path, tiny_llama_dir, tiny_chat_js
     assert "torchspec-train: error:" in result.stderr and "parallel.target_tp=4" in result.stderr
 
 
-def test_moe_loss_free_balancing_matches_single_process(tmp_path, tiny_llama_dir, tiny_chat_jsonl):
+def test_moe_balancing_matches_single_process(tmp_path, tiny_llama_dir, tiny_chat_jsonl):
     """drafter=eagle4_moe under FSDP2 on 2 ranks: each step's routing-bias update uses the global expert
-    loads (all-reduced), so the exported bias and the losses equal the single process's on the same
-    global batch."""
+    loads (all-reduced), and the auxiliary loss is the aux of the micro-batch of both ranks
+    (``ttt.load_balancing_terms``), so the exported bias, the losses and the logged aux equal the single
+    process's on the same global batch. The aux weight is 10x the default so that it moves the router."""
     from safetensors.torch import load_file
 
-    # the auxiliary loss off: computed per micro-batch, it is not the same over 1 or 2 ranks (nonlinear in loads)
-    moe = ("drafter=eagle4_moe", "drafter.moe_num_experts=4", "drafter.moe_bias_rate=0.05", "drafter.moe_aux_loss_coef=0")
+    moe = ("drafter=eagle4_moe", "drafter.moe_num_experts=4", "drafter.moe_bias_rate=0.05", "drafter.moe_aux_loss_coef=0.1")
     single = run(tmp_path / "single", tiny_llama_dir, tiny_chat_jsonl, 1, "train.micro_batch_size=8", *moe)
     assert single.returncode == 0, single.stderr[-3000:]
     par = run(tmp_path / "dp2", tiny_llama_dir, tiny_chat_jsonl, 2, "train.micro_batch_size=4", "parallel=fsdp2", *moe)
     assert par.returncode == 0, par.stderr[-5000:]
     close(losses(tmp_path / "single"), losses(tmp_path / "dp2"))
+
+    def aux(out: Path) -> list[float]:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["train/moe_aux_loss"] for r in rows if "train/moe_aux_loss" in r]
+
+    single_aux = aux(tmp_path / "single")
+    assert len(single_aux) == STEPS and all(1.0 <= a <= 4.0 for a in single_aux)  # 1 = balanced, E = collapsed
+    assert aux(tmp_path / "dp2") == pytest.approx(single_aux, rel=1e-5)
 
     def bias(out: Path):
         return next(v for k, v in load_file(out / "drafter" / "model.safetensors").items() if k.endswith("route_bias"))

@@ -330,3 +330,42 @@ def test_route_bias_stays_fp32_when_the_module_is_cast():
     for _ in range(300):  # 3.00 + 0.01 is still representable: a bf16 bias would have stopped moving
         moe.balance_step(torch.tensor([0.0, 4.0, 2.0, 2.0]), rate=0.01)
     assert moe.route_bias[0].item() == pytest.approx(2.99, abs=1e-5)
+
+
+def test_balancing_terms_are_the_global_aux_however_the_batch_is_split(monkeypatch):
+    """``ttt.load_balancing_terms``: one process with one micro-batch gives the aux itself (times the micro-batch's
+    share of the step); two ranks holding halves of a batch give parts that add up to the whole batch's aux, with
+    the whole batch's router gradient -- where the mean of the halves' own auxes (the per-rank loss it replaced)
+    is another number (positive control)."""
+    import torchspec.train.ttt as ttt
+
+    torch.manual_seed(0)
+    moe = MoEMLP(16, 32, 4, top_k=2)
+    x = torch.randn(4, 6, 16)
+    x[:2, :, 0], x[2:, :, 0] = 3.0, -3.0  # the halves prefer different experts: each is unbalanced on its own
+    with torch.no_grad():
+        moe.router.weight[0, 0], moe.router.weight[1, 0] = 2.0, -2.0
+    mask = torch.ones(4, 6)
+    mask[3, 4:] = 0
+    _, whole = moe(x, mask)
+    valids, denominators = torch.tensor([20.0]), torch.tensor([40.0])
+    terms = ttt.load_balancing_terms([whole], valids, denominators)
+    assert terms.item() == pytest.approx(0.5 * whole.aux_loss.item(), rel=1e-6)
+    (grad_whole,) = torch.autograd.grad(terms.sum(), moe.router.weight)
+
+    halves = [moe(x[:2], mask[:2])[1], moe(x[2:], mask[2:])[1]]
+    scored = [torch.tensor([12.0]), torch.tensor([8.0])]
+
+    def packed(st, v):
+        return torch.cat([st.expert_load[None], torch.as_tensor(st.num_tokens).reshape(1, 1), v[:, None]], 1)
+
+    parts = []
+    for rank in (0, 1):  # all_reduce_sum as gloo would do it: this rank's vector plus the other's
+        other = packed(halves[1 - rank], scored[1 - rank])
+        monkeypatch.setattr(ttt, "all_reduce_sum", lambda t, o=other: t.add_(o))
+        parts.append(ttt.load_balancing_terms([halves[rank]], scored[rank], denominators))
+    assert (parts[0] + parts[1]).item() == pytest.approx(terms.item(), rel=1e-6)
+    (grad_parts,) = torch.autograd.grad((parts[0] + parts[1]).sum(), moe.router.weight)
+    torch.testing.assert_close(grad_parts, grad_whole, rtol=1e-5, atol=1e-7)
+    per_rank_mean = 0.5 * sum(h.aux_loss for h in halves) * 0.5
+    assert per_rank_mean.item() > 1.05 * terms.item()

@@ -25,7 +25,11 @@ tokens n = 1..N (``token_mask``):
 so sum_e f_e = sum_e P_e = 1 and aux = 1 at perfect balance (f = P = 1/E), up to E when every
 token-slot goes to one expert with probability 1. ``expert_load[e] = sum_n [e in S_n]`` (counts,
 not fractions) is returned so the caller can all-reduce it across ranks and micro-batches and log
-``load_imbalance`` = max load / mean load of the global counts (contract 5).
+``load_imbalance`` = max load / mean load of the global counts (contract 5). The trainer's loss is this
+aux over the micro-batch of EVERY rank, not a mean of per-rank values (the product f P is not linear in the
+tokens): ``MoEStats`` therefore also carries ``prob_sum`` and ``num_tokens``, and the trainer all-reduces
+the loads before forming it (``torchspec.train.ttt.load_balancing_terms``), so the loss does not depend on
+the data-parallel size.
 
 Loss-free balancing (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-
 Experts"): a per-expert bias b, a buffer, is added to the router logits for the top-k *selection* only,
@@ -91,8 +95,10 @@ DISPATCHES = ("dense", "sorted")
 class MoEStats:
     """Routing statistics of one ``MoEMLP`` call (no host sync happened)."""
 
-    aux_loss: torch.Tensor  # scalar fp32 load-balancing loss; differentiable w.r.t. the router
+    aux_loss: torch.Tensor  # scalar fp32 load-balancing loss of this call's tokens; differentiable w.r.t. the router
     expert_load: torch.Tensor  # [E] fp32 token-slots routed to each expert, valid tokens only; detached
+    prob_sum: torch.Tensor  # [E] fp32 router probabilities summed over the valid tokens; differentiable
+    num_tokens: torch.Tensor | float  # valid tokens (N of the module docstring)
 
 
 def load_imbalance(expert_load: torch.Tensor) -> torch.Tensor:
@@ -270,6 +276,8 @@ class MoEMLP(nn.Module):
         else:
             num_valid = float(max(n, 1))  # a Python number: no host-to-device copy (CUDA graphs)
         expert_load = chosen.sum(0)  # [E]
+        prob_sum = probs.sum(0)  # [E]
         f = expert_load / (num_valid * self.top_k)
-        p = probs.sum(0) / num_valid
-        return MoEStats(aux_loss=e * (f * p).sum(), expert_load=expert_load.detach())
+        p = prob_sum / num_valid
+        return MoEStats(aux_loss=e * (f * p).sum(), expert_load=expert_load.detach(), prob_sum=prob_sum,
+                        num_tokens=num_valid)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
+from torchspec.distributed import all_reduce_sum
 from torchspec.models.lm_head import EfficientLMHead
 from torchspec.train.loss import TeacherHead, fused_ttt_head_loss
 
@@ -222,9 +223,10 @@ def ttt_unroll(
     ``head_loss.kind="candidates"`` restricts the full head's KL to the scorer's top-k and the target's
     top-m (``torchspec.train.loss_candidates``): the drafter's argmax is then the served proposal, so
     ``correct`` counts served drafts and ``kl_sum`` sums the KL over the candidates.
-    An MoE drafter's load-balancing loss of step k enters as
-    ``moe_aux_coef * aux_k * valid_k / denominators[k] / K`` -- normalised like the KL (contract 4),
-    so its weight does not depend on micro-batching, padding or data-parallel size.
+    An MoE drafter's load-balancing loss of step k enters as ``moe_aux_coef * terms_k / K``
+    (``load_balancing_terms``): the aux of the micro-batch of every rank, weighted by its share of the
+    step's scored tokens like the KL (contract 4), so neither it nor its weight depends on padding or on
+    how the global micro-batch is split over data-parallel ranks.
     """
     b, t = input_ids.shape
     assert t >= 2, "sequences need at least 2 tokens"
@@ -266,10 +268,9 @@ def ttt_unroll(
         aux["lowrank_correct_in_topk"] = (out.full_in_topk & (out.argmax == target_argmax) & valid).sum(0).double()
     valids = valid.sum(0)  # [K]
     if moe_stats:
-        weights = valids.float() / denominators.clamp(min=1).float() / num_steps  # [K]
-        moe_aux = torch.stack([st.aux_loss for st in moe_stats])  # [K]
-        loss = loss + moe_aux_coef * (weights * moe_aux).sum()
-        aux["moe_aux_loss"] = moe_aux.detach()
+        terms = load_balancing_terms(moe_stats, valids, denominators)  # [K], this rank's part
+        loss = loss + moe_aux_coef * terms.sum() / num_steps
+        aux["moe_aux_loss"] = terms.detach()  # summed over ranks and micro-batches: the step's aux per TTT step
         aux["moe_expert_load"] = torch.stack([st.expert_load for st in moe_stats]).double()  # [K, E]
     return TTTResult(
         loss=loss,
@@ -280,6 +281,29 @@ def ttt_unroll(
         chain_rounds=chain_count,
         aux=aux,
     )
+
+
+def load_balancing_terms(moe_stats: list, valids: torch.Tensor, denominators: torch.Tensor) -> torch.Tensor:
+    """This rank's part of each TTT step's MoE load-balancing loss, [K]; summed over the data-parallel ranks
+    it is, per step k, (scored tokens of this micro-batch on every rank / ``denominators[k]``) x the aux
+    E sum_e f_e P_e of ``torchspec.models.moe`` over the micro-batch of every rank.
+
+    f_e (no gradient) comes from the expert loads all-reduced over the world (one [K, E + 2] all-reduce with
+    the token counts and the scored counts ``valids`` [K]); this rank contributes P_e's share
+    prob_sum_e / N_global, so the ranks' parts add up to the global aux exactly, whatever the split. Per-rank
+    auxes averaged instead (what this replaced) balance each rank's tokens, a different objective that moves
+    with the data-parallel size. Across gradient-accumulation micro-batches each micro-batch is balanced on
+    its own global tokens (their order is not known in advance), weighted by its share of the step."""
+    loads = torch.stack([st.expert_load.float() for st in moe_stats])  # [K, E]
+    dev = loads.device
+    counts = torch.stack([torch.as_tensor(st.num_tokens, dtype=torch.float32, device=dev) for st in moe_stats])
+    num_experts = loads.shape[1]
+    glob = all_reduce_sum(torch.cat([loads, counts[:, None], valids.float().to(dev)[:, None]], 1))  # [K, E + 2]
+    slots = glob[:, :num_experts]
+    f = slots / slots.sum(-1, keepdim=True).clamp(min=1)  # token-slot fractions (each token has top-k slots)
+    p_share = torch.stack([st.prob_sum for st in moe_stats]) / glob[:, num_experts:num_experts + 1].clamp(min=1)
+    share = glob[:, -1] / denominators.to(dev).float().clamp(min=1)  # [K] this micro-batch's share of the step
+    return share * num_experts * (f * p_share).sum(-1)
 
 
 def acceptance_length(step_accuracy: torch.Tensor) -> float:
