@@ -4,7 +4,8 @@ gives EAGLE-4's eh_proj and q/k/v (the method: ``warm_start.py``'s docstring, "e
 * ``collect_eagle3_samples``: per TTT step, what EAGLE-3's layer read and produced on fit inputs.
 * ``fit_attention_input``: targets ``[q3/s_q, k3/s_k, v3/s_v, sqrt(w) g/s_g]`` from EAGLE-4's eh_proj input,
   rank H, re-parametrised so the residual block decodes as the identity; q/k/v then re-solved by ridge
-  least squares from the exact ``RMSNorm(z)``.
+  least squares from the exact ``RMSNorm(z)``. Its errors come with those of the unconstrained (full-rank)
+  fit of the same targets (``*_full_rank``): the gap between the two is what the width H costs.
 * ``attention_fit_error``: the same relative errors on held-out samples, for an already converted drafter.
 """
 
@@ -124,6 +125,7 @@ def fit_attention_input(a4: Tensor, qkv: list[Tensor], g: Tensor, eps: float, re
     weights = [1.0, 1.0, 1.0, math.sqrt(residual_weight)]
     targets = torch.cat([b * (w / s) for b, w, s in zip(blocks, weights, scales)], -1)  # [N, D]
     coef = _ridge(a4, targets, ridge)  # [2H, D] unconstrained least squares
+    full = a4 @ coef  # [N, D]: the best any linear map of a4 does, before the rank-H bottleneck
     # Best rank-H approximation of the fitted values a4 @ coef: project on the top-H eigenvectors
     # of coef^T (a4^T a4) coef (= right singular vectors of a4 @ coef, without forming it).
     evals, evecs = torch.linalg.eigh(coef.T @ (a4.T @ a4) @ coef)
@@ -137,6 +139,10 @@ def fit_attention_input(a4: Tensor, qkv: list[Tensor], g: Tensor, eps: float, re
     for name, w, ref in zip("qkv", qkv_w, qkv):
         errors[f"fit_rel_err_{name}"] = float((u @ w.T - ref).norm() / ref.norm())
     errors["fit_rel_err_residual"] = float((a4 @ eh - g).norm() / g.norm())
+    # the same errors of the unconstrained (full-rank) fit: what is left is not the width bottleneck's
+    cols = torch.cumsum(torch.tensor([0] + [b.shape[1] for b in blocks]), 0).tolist()
+    for name, lo, hi, b, w, sc in zip(("q", "k", "v", "residual"), cols, cols[1:], blocks, weights, scales):
+        errors[f"fit_rel_err_{name}_full_rank"] = float((full[:, lo:hi] * (sc / w) - b).norm() / b.norm())
     return eh.T, qkv_w, errors
 
 
