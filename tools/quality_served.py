@@ -101,6 +101,9 @@ def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict
                        "served_vs_simulated": stats["mean_acceptance"] / sim["simulated_acceptance"],
                        "speedup": stats["tokens_per_s"] / base["tokens_per_s"], "tokens_per_s": stats["tokens_per_s"],
                        "plain_tokens_per_s": base["tokens_per_s"], "rounds": stats["rounds"],
+                       # wall time of a batched engine round / plain step, host work included (recipes.bench)
+                       "round_ms": stats["round_ms"], "plain_step_ms": base["round_ms"],
+                       "round_cost_plain_steps": stats["round_ms"] / base["round_ms"],
                        "decode_tokens": stats["decode_tokens"],
                        "simulated_acceptance_marginals": sim["simulated_acceptance_marginals"],
                        "simulated_acceptance_efficient_lb": sim["simulated_acceptance_efficient_lb"],

@@ -111,6 +111,7 @@ def test_rows_carry_the_issue_keys_and_merge_replaces_only_remeasured_rows(tool,
         assert r["drafter"] == "tiny" and r["train_tokens"] == 1234 and r["depth"] == 3 and r["prompt_set"] == prompt_file
         assert r["simulated_acceptance"] >= 1.0 and r["served_acceptance"] >= 1.0 and r["speedup"] > 0
         assert r["served_vs_simulated"] == pytest.approx(r["served_acceptance"] / r["simulated_acceptance"])
+        assert r["round_cost_plain_steps"] == pytest.approx(r["round_ms"] / r["plain_step_ms"]) and r["round_ms"] > 0
         assert r["flag"] == (r["mode"] == "chain" and abs(r["served_vs_simulated"] - 1) > 0.05)
     assert written["responses"]["generated"] == 4 and Path(written["responses"]["path"]).is_file()
     assert "_replays" in result["simulated"][0] and "_replays" not in written["simulated"][0]
