@@ -2,14 +2,15 @@
 
     torchspec-convert EAGLE3_DIR OUT_DIR --target TARGET_PATH [--drafter-preset eagle4|eagle4_moe]
                       [--fit-samples N] [--fit-data chats.jsonl] [--layout torchspec|sglang|vllm]
-                      [--set key=value ...]
+                      [--set key=value ...] [--distill-steps N [--distill-lr LR]]
 
 Read top to bottom: checks, before any model loads (options, OUT_DIR, the target's config.json, the
 EAGLE-3 files and config against the target, the EAGLE-4 config: preset from torchspec/conf/drafter/,
 sized like the EAGLE-3 drafter, ``--set`` overrides; the fit data) -> target -> EAGLE-3 weights -> fit
 samples (the target's captured states on conversations, or on text the target samples itself) ->
-``eagle3_to_eagle4`` -> report (with every config field taken from the target rather than EAGLE-3)
--> ``save_pretrained`` into a temp dir renamed into place. User errors print one line and exit 2
+``eagle3_to_eagle4`` -> optionally ``--distill-steps`` of distillation from EAGLE-3 on the same fit batch
+(``torchspec/export/warm_start_distill.py``) -> report (with every config field taken from the target
+rather than EAGLE-3) -> ``save_pretrained`` into a temp dir renamed into place. User errors print one line and exit 2
 (``--debug``: the traceback). The choices the conversion makes are documented in
 ``torchspec/export/warm_start.py``.
 """
@@ -42,6 +43,7 @@ from torchspec.data.dataset import Example
 from torchspec.data.formats import SkipConversation
 from torchspec.export.eagle3_layouts import load_layout, read_layout_config
 from torchspec.export.warm_start import check_compatible, eagle3_to_eagle4, format_report
+from torchspec.export.warm_start_distill import distill_from_eagle3
 from torchspec.io import atomic_save_dir
 from torchspec.models import drafter_config_from_target
 from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter
@@ -69,6 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fit-length", type=int, default=256, help="tokens per fit sequence")
     p.add_argument("--fit-data", default=None, help="JSONL/JSON conversations for the fit; default: text the "
                    "target samples itself from random start tokens")
+    p.add_argument("--distill-steps", type=int, default=0,
+                   help="then distil the converted drafter from EAGLE-3 for N steps on the fit batch "
+                        "(torchspec/export/warm_start_distill.py; 0: the closed-form conversion alone)")
+    p.add_argument("--distill-lr", type=float, default=1e-3, help="AdamW learning rate of --distill-steps")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -202,6 +208,9 @@ def convert(args: argparse.Namespace) -> None:
     # the EAGLE-3 files and config (against the target), the EAGLE-4 config, the fit data.
     check_at_least("--fit-samples", args.fit_samples, 1)
     check_at_least("--fit-length", args.fit_length, 2)
+    check_at_least("--distill-steps", args.distill_steps, 0)
+    if not args.distill_lr > 0:
+        raise ValueError(f"--distill-lr={args.distill_lr} must be > 0; pass e.g. --distill-lr 1e-3")
     check_out_dir(args)
     target_path = resolve_target_path(args.target, os.path.expanduser(args.cache_dir))
     target_cfg = load_target_config(target_path).get_text_config()
@@ -226,6 +235,11 @@ def convert(args: argparse.Namespace) -> None:
     e4, report = eagle3_to_eagle4(e3, e4_config, target_lm_head=target.lm_head_weight,
                                   fit_tokens=batch["input_ids"], fit_aux=out.aux_hidden_states,
                                   fit_attention_mask=batch["attention_mask"], seed=args.seed)
+    if args.distill_steps:
+        report.metrics.update(distill_from_eagle3(e4, e3, batch["input_ids"], out.aux_hidden_states,
+                                                  batch["attention_mask"], args.distill_steps, lr=args.distill_lr))
+        report.notes.append(f"then distilled from EAGLE-3 for {args.distill_steps} steps on the fit batch "
+                            f"(lr {args.distill_lr:g}): count its distill_token_passes against the warm start")
     print(format_report(report))
     atomic_save_dir(Path(args.out_dir), lambda tmp: e4.save_pretrained(tmp))
     print(f"torchspec-convert: EAGLE-4 drafter written to {args.out_dir}")

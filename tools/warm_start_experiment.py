@@ -7,6 +7,10 @@ Trains an EAGLE-3 drafter for ``--e3-steps`` on synthetic chats over a tiny rand
 (step 0) and a randomly initialised EAGLE-4, then trains both EAGLE-4 drafters ``--e4-steps`` with
 the same optimizer and data, logging held-out acceptance every ``--eval-every`` steps. Prints a
 table; writes ``warm_start.json`` and ``warm_start.png`` into ``--out-dir``.
+
+``--distill-steps N`` adds a third EAGLE-4: the converted one, then N steps distilled from EAGLE-3 on the fit
+batch (``torchspec.export.warm_start_distill``, what ``torchspec-convert --distill-steps`` runs), then trained
+like the others. Its curve counts only the steps after the distillation.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torchspec.data import build_tiny_tokenizer, collate, tokenize_conversation 
 from torchspec.data.dataset import Example  # noqa: E402
 from torchspec.data.vocab import build_vocab_mapping  # noqa: E402
 from torchspec.export.warm_start import eagle3_to_eagle4, format_report  # noqa: E402
+from torchspec.export.warm_start_distill import distill_from_eagle3  # noqa: E402
 from torchspec.export.warm_start_fit import attention_fit_error  # noqa: E402
 from torchspec.models.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from torchspec.models.eagle4 import Eagle4Config, Eagle4Drafter  # noqa: E402
@@ -48,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-vocab", type=int, default=192)
     p.add_argument("--moe", action="store_true", help="convert to the MoE EAGLE-4 (4 experts, top-2, shared expert)")
     p.add_argument("--residual-weight", type=float, default=1.0)
+    p.add_argument("--distill-steps", type=int, default=0, help="also distil the converted drafter from EAGLE-3")
+    p.add_argument("--distill-lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -136,8 +143,18 @@ def main() -> None:
     fresh = Eagle4Drafter(c4, attn_backend="eager")
     fresh.init_from_target(target.embed_tokens_weight, target.lm_head_weight)
 
+    models = [("converted", converted), ("random", fresh)]
+    if args.distill_steps:
+        distilled = Eagle4Drafter(c4, attn_backend="eager")
+        distilled.load_state_dict(converted.state_dict())
+        m = acceptance(distilled)["acceptance_length"]
+        distill_from_eagle3(distilled, e3, fb["input_ids"], faux, fb["attention_mask"], args.distill_steps,
+                            lr=args.distill_lr, ttt_steps=k, warmup=args.warmup)
+        print(f"EAGLE-4 distilled: held-out acceptance {m:.3f} -> {acceptance(distilled)['acceptance_length']:.3f} "
+              f"after {args.distill_steps} distillation steps")
+        models.append(("distilled", distilled))
     curves = {}
-    for name, model in (("converted", converted), ("random", fresh)):
+    for name, model in models:
         m0 = acceptance(model)
         curves[name] = [{"step": 0, "acceptance_length": m0["acceptance_length"], "acc_0": m0["acc_0"]}]
         print(f"EAGLE-4 {name} step 0: held-out acceptance {m0['acceptance_length']:.3f}")
@@ -152,9 +169,9 @@ def main() -> None:
         "notes": report.notes, "seconds": time.time() - started,
     }
     (out_dir / "warm_start.json").write_text(json.dumps(result, indent=2))
-    print(f"\n{'step':>6} {'converted':>10} {'random':>10}   (EAGLE-3: {al3:.3f})")
-    for a, b in zip(curves["converted"], curves["random"]):
-        print(f"{a['step']:>6} {a['acceptance_length']:>10.3f} {b['acceptance_length']:>10.3f}")
+    print(f"\n{'step':>6} " + " ".join(f"{n:>10}" for n in curves) + f"   (EAGLE-3: {al3:.3f})")
+    for points in zip(*curves.values()):
+        print(f"{points[0]['step']:>6} " + " ".join(f"{p['acceptance_length']:>10.3f}" for p in points))
     print("steps to reach EAGLE-3's acceptance:", result["steps_to_reach_eagle3"])
     plot(curves, al3, out_dir / "warm_start.png", args.e3_steps)
     print(f"wrote {out_dir}/warm_start.json and warm_start.png in {time.time() - started:.0f}s")

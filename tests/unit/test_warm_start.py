@@ -217,6 +217,30 @@ def test_converted_drafter_accepts_before_training(trained):
     assert al4 > 1 + 0.6 * (al3 - 1), (al4, al3)
 
 
+def test_distillation_recovers_what_the_conversion_lost(trained):
+    """``warm_start_distill``: steps that match EAGLE-3's draft distribution (own feedback, every TTT step) on the
+    fit batch lower that KL and bring the converted drafter's held-out acceptance toward EAGLE-3's."""
+    from torchspec.export.warm_start_distill import distill_from_eagle3, distillation_loss
+
+    target, e3, train, held = trained
+    b, aux, _ = train[0]
+    e4, _ = convert(target, e3, train[0])
+    hb, haux, _ = held
+    with torch.no_grad():
+        kl_before = float(distillation_loss(e4, e3, hb["input_ids"], haux, hb["attention_mask"], 3))
+    al3, al_before = acceptance(e3, held), acceptance(e4, held)
+    metrics = distill_from_eagle3(e4, e3, b["input_ids"], aux, b["attention_mask"], 60, lr=3e-3, micro_batch=6)
+    with torch.no_grad():
+        kl_after = float(distillation_loss(e4, e3, hb["input_ids"], haux, hb["attention_mask"], 3))
+    al_after = acceptance(e4, held)
+    assert metrics["distill_kl_last"] < 0.5 * metrics["distill_kl_first"], metrics
+    assert metrics["distill_token_passes"] == 60 * int(b["attention_mask"].sum())
+    assert kl_after < 0.7 * kl_before, (kl_before, kl_after)  # held out, not only on the fit batch
+    # measured: EAGLE-3 1.44, converted 1.33, after 40 steps 1.47 (above EAGLE-3 on this held-out batch)
+    assert al_after > al_before + 0.3 * (al3 - al_before), (al3, al_before, al_after)
+    assert not e4.training and e4.embed_tokens.weight.grad is None  # eval mode, the frozen embedding untouched
+
+
 # --- torchspec-convert ---------------------------------------------------------------------------------
 
 
@@ -258,3 +282,26 @@ def test_convert_reads_a_training_runs_export(tmp_path, tiny_tokenizer):
           "--fit-length", "16", "--set", "lm_head_rank=8"])
     e4 = Eagle4Drafter.from_pretrained(tmp_path / "e4")
     assert e4.config.lm_head_rank == 8 and e4.config.aux_layer_ids == [0, 1, 2]
+
+
+def test_convert_distill_steps(tmp_path, tiny_tokenizer, capsys):
+    """``--distill-steps N``: the conversion, then N distillation steps on the fit batch, reported; a negative
+    count or a non-positive lr is a one-line error before anything loads, and nothing is written."""
+    from recipes.convert import main
+
+    target_dir = build_tiny_target(str(tmp_path / "target"), vocab_size=V, num_layers=4, hidden_size=H,
+                                   num_heads=4, num_kv_heads=2, tokenizer=tiny_tokenizer)
+    random_e3().save_pretrained(tmp_path / "e3")
+    args = [str(tmp_path / "e3"), str(tmp_path / "e4"), "--target", target_dir, "--fit-samples", "2",
+            "--fit-length", "16", "--set", "lm_head_rank=8"]
+    main(args + ["--distill-steps", "3"])
+    out = capsys.readouterr().out
+    assert "metric: distill_steps = 3.0000" in out and "distill_kl_last" in out and "distill_token_passes" in out
+    assert "then distilled from EAGLE-3 for 3 steps" in out
+    Eagle4Drafter.from_pretrained(tmp_path / "e4")
+    for bad, message in ((["--distill-steps", "-1"], "--distill-steps=-1 must be >= 0"),
+                         (["--distill-lr", "0"], "--distill-lr=0.0 must be > 0")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(tmp_path / "e3"), str(tmp_path / "bad"), *args[2:], *bad])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        assert not (tmp_path / "bad").exists()
