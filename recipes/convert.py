@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="then distil the converted drafter from EAGLE-3 for N steps on the fit batch "
                         "(torchspec/export/warm_start_distill.py; 0: the closed-form conversion alone)")
     p.add_argument("--distill-lr", type=float, default=1e-3, help="AdamW learning rate of --distill-steps")
+    p.add_argument("--distill-decay", type=float, default=0.8,
+                   help="weight decay**k of TTT step k in the distillation (0.8: the trainer's default)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -211,6 +213,8 @@ def convert(args: argparse.Namespace) -> None:
     check_at_least("--distill-steps", args.distill_steps, 0)
     if not args.distill_lr > 0:
         raise ValueError(f"--distill-lr={args.distill_lr} must be > 0; pass e.g. --distill-lr 1e-3")
+    if not 0 < args.distill_decay <= 1:
+        raise ValueError(f"--distill-decay={args.distill_decay} must lie in (0, 1]; pass e.g. --distill-decay 0.8")
     check_out_dir(args)
     target_path = resolve_target_path(args.target, os.path.expanduser(args.cache_dir))
     target_cfg = load_target_config(target_path).get_text_config()
@@ -237,7 +241,8 @@ def convert(args: argparse.Namespace) -> None:
                                   fit_attention_mask=batch["attention_mask"], seed=args.seed)
     if args.distill_steps:
         report.metrics.update(distill_from_eagle3(e4, e3, batch["input_ids"], out.aux_hidden_states,
-                                                  batch["attention_mask"], args.distill_steps, lr=args.distill_lr))
+                                                  batch["attention_mask"], args.distill_steps, lr=args.distill_lr,
+                                                  decay=args.distill_decay, progress=True))
         report.notes.append(f"then distilled from EAGLE-3 for {args.distill_steps} steps on the fit batch "
                             f"(lr {args.distill_lr:g}): count its distill_token_passes against the warm start")
     print(format_report(report))

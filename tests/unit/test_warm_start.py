@@ -300,7 +300,8 @@ def test_convert_distill_steps(tmp_path, tiny_tokenizer, capsys):
     assert "then distilled from EAGLE-3 for 3 steps" in out
     Eagle4Drafter.from_pretrained(tmp_path / "e4")
     for bad, message in ((["--distill-steps", "-1"], "--distill-steps=-1 must be >= 0"),
-                         (["--distill-lr", "0"], "--distill-lr=0.0 must be > 0")):
+                         (["--distill-lr", "0"], "--distill-lr=0.0 must be > 0"),
+                         (["--distill-decay", "1.5"], "--distill-decay=1.5 must lie in (0, 1]")):
         with pytest.raises(SystemExit) as exit_info:
             main([str(tmp_path / "e3"), str(tmp_path / "bad"), *args[2:], *bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -7,7 +7,10 @@ eleventh session); the converted drafter keeps acc_0 0.173 of EAGLE-3's 0.475 an
 The width does not bound the drafter's *function*, only a per-matrix fit: a few gradient steps that
 match EAGLE-3's output distribution end to end recover most of it (tiny target, CPU, on the fit batch of
 8 conversations: held-out acceptance 1.559 -> 1.676 / 1.713 / 1.768 after 15 / 30 / 100 steps, EAGLE-3
-1.776; ``tools/warm_start_experiment.py --distill-steps``). Not yet measured at real scale.
+1.776; ``tools/warm_start_experiment.py --distill-steps``). At the real SmolLM2 shape (CPU, a 120-step
+EAGLE-3, 64 fit conversations) it has not paid so far: the held-out loss falls but acc_0 drops (closed form
+1.115 -> 1.061-1.064 after 16-40 steps; ``docs/results.md``, eleventh session), so it is off by default and
+an option to measure on the GPU with far more fit data.
 
 The objective, per Adam step on ``micro_batch`` fit sequences (cycling through them): each drafter is
 unrolled ``ttt_steps`` TTT steps on its own feedback (``train.ttt.unroll_steps``, the trainer's shift and
@@ -55,11 +58,16 @@ def distillation_loss(e4: Eagle4Drafter, e3: Eagle3Drafter, input_ids: Tensor, a
 
 def distill_from_eagle3(e4: Eagle4Drafter, e3: Eagle3Drafter, input_ids: Tensor, aux: list[Tensor],
                         attention_mask: Tensor, steps: int, *, lr: float = 1e-3, micro_batch: int = 8,
-                        ttt_steps: int = 3, warmup: int = 10) -> dict[str, float]:
+                        ttt_steps: int = 3, decay: float = 0.8, warmup: int = 10, progress: bool = False
+                        ) -> dict[str, float]:
     """``steps`` AdamW steps of the module docstring on the fit batch ([S, T] ids, 3 x [S, T, H] states,
-    [S, T] mask), ``micro_batch`` sequences a step in order, cycling; linear warm-up over ``warmup`` steps
+    [S, T] mask), ``micro_batch`` sequences a step in order, cycling; TTT step k weighs ``decay**k``; linear
+    warm-up over ``warmup`` steps
     (a full-size first Adam step knocks a converted drafter off what it kept). Both drafters are fp32 and
-    left in eval mode. -> metrics: the loss of the first and the last step, and the token passes read."""
+    left in eval mode; ``progress``: a progress bar on stderr (minutes on a CPU at real shapes). -> metrics: the
+    loss of the first and the last step, and the token passes read."""
+    from tqdm import tqdm
+
     assert steps >= 1 and micro_batch >= 1 and ttt_steps >= 1
     e3, e4 = e3.float().eval(), e4.float()
     params = [p for p in e4.parameters() if p.requires_grad]
@@ -67,10 +75,10 @@ def distill_from_eagle3(e4: Eagle4Drafter, e3: Eagle3Drafter, input_ids: Tensor,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)))
     e4.train()
     n, losses, passes = input_ids.shape[0], [], 0  # losses: the first and the last (no host sync per step)
-    for step in range(steps):
+    for step in tqdm(range(steps), desc="distill", disable=not progress):
         rows = [(step * micro_batch + i) % n for i in range(min(micro_batch, n))]
         mask = attention_mask[rows]
-        loss = distillation_loss(e4, e3, input_ids[rows], [a[rows].float() for a in aux], mask, ttt_steps)
+        loss = distillation_loss(e4, e3, input_ids[rows], [a[rows].float() for a in aux], mask, ttt_steps, decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
