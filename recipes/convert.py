@@ -2,7 +2,7 @@
 
     torchspec-convert EAGLE3_DIR OUT_DIR --target TARGET_PATH [--drafter-preset eagle4|eagle4_moe]
                       [--fit-samples N] [--fit-data chats.jsonl] [--layout torchspec|sglang|vllm]
-                      [--set key=value ...] [--distill-steps N [--distill-lr LR]]
+                      [--set key=value ...] [--distill-steps N [--distill-lr LR] [--distill-decay D]]
 
 Read top to bottom: checks, before any model loads (options, OUT_DIR, the target's config.json, the
 EAGLE-3 files and config against the target, the EAGLE-4 config: preset from torchspec/conf/drafter/,
@@ -214,7 +214,7 @@ def convert(args: argparse.Namespace) -> None:
     if not args.distill_lr > 0:
         raise ValueError(f"--distill-lr={args.distill_lr} must be > 0; pass e.g. --distill-lr 1e-3")
     if not 0 < args.distill_decay <= 1:
-        raise ValueError(f"--distill-decay={args.distill_decay} must lie in (0, 1]; pass e.g. --distill-decay 0.8")
+        raise ValueError(f"--distill-decay={args.distill_decay} must lie in (0, 1]; pass e.g. --distill-decay 0.1")
     check_out_dir(args)
     target_path = resolve_target_path(args.target, os.path.expanduser(args.cache_dir))
     target_cfg = load_target_config(target_path).get_text_config()

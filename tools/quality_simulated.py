@@ -163,8 +163,8 @@ def served_text_examples(records: list[dict], results) -> tuple[list, list[dict]
 
 def served_text_replay(per_example: list[torch.Tensor], served: list[dict], results) -> dict:
     """The chain rounds the unroll predicts on the served text itself, against the rounds served on it:
-    ``simulated_replay_served_text`` (rounds walked as ``replay_rounds``), ``served_on_these`` (the same
-    sequences' served acceptance) and their ratio. Off 1 only if the runtime and the unroll disagree on the
+    ``simulated_replay_served_text`` (rounds walked as ``replay_rounds``), ``served_on_served_text`` (the same
+    sequences' served acceptance) and their ratio ``served_vs_replay_served_text``. Off 1 only if the runtime and the unroll disagree on the
     text serving produced; a served-vs-simulated gap with this at 1 is the text's divergence alone."""
     replays = [replay_rounds(both[0], len(rec["prompt_ids"]), len(rec["token_ids"]))
                for rec, both in zip(served, per_example)]

@@ -20,8 +20,8 @@ positions), and at every real input position of every step
     sum_k decay^k KL( EAGLE-3's draft distribution || EAGLE-4's over the same draft-vocabulary rows )
 
 averaged over positions. EAGLE-4's head rows of the draft tokens are EAGLE-3's rows after the conversion,
-so the KL compares the two layers. Every trainable EAGLE-4 weight moves (the frozen embedding does not);
-EAGLE-3 is fixed. No target forward is run: the fit's captured states serve every step. The tokens it
+so the KL compares the two layers. Every EAGLE-4 weight the loss reaches moves (not the frozen embedding,
+nor an efficient head's scorer, which stays the conversion's SVD until training distils it); EAGLE-3 is fixed. No target forward is run: the fit's captured states serve every step. The tokens it
 reads are ``steps x micro_batch x sequence length`` drafter token passes (``distill_token_passes``), to be
 counted against a warm start's budget.
 """
