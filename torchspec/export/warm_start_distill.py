@@ -75,7 +75,7 @@ def distill_from_eagle3(e4: Eagle4Drafter, e3: Eagle3Drafter, input_ids: Tensor,
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)))
     e4.train()
-    n, losses, passes = input_ids.shape[0], [], 0  # losses: the first and the last (no host sync per step)
+    n, first, passes = input_ids.shape[0], None, 0  # tensors until the end: no host sync per step
     for step in tqdm(range(steps), desc="distill", disable=not progress):
         rows = [(step * micro_batch + i) % n for i in range(min(micro_batch, n))]
         mask = attention_mask[rows]
@@ -84,10 +84,10 @@ def distill_from_eagle3(e4: Eagle4Drafter, e3: Eagle3Drafter, input_ids: Tensor,
         loss.backward()
         opt.step()
         sched.step()
-        losses = [losses[0] if losses else loss.detach(), loss.detach()]
+        first = loss.detach() if first is None else first
         passes = passes + mask.sum()
     e4.eval()
-    return {"distill_steps": float(steps), "distill_kl_first": float(losses[0]), "distill_kl_last": float(losses[1]),
+    return {"distill_steps": float(steps), "distill_kl_first": float(first), "distill_kl_last": float(loss.detach()),
             "distill_token_passes": float(passes)}
 
 

@@ -272,12 +272,15 @@ class MoEMLP(nn.Module):
         if token_mask is not None:
             valid = token_mask.reshape(n, 1).to(probs.dtype)  # [N, 1]
             chosen, probs = chosen * valid, probs * valid
-            num_valid = valid.sum().clamp(min=1)
+            num_tokens = valid.sum()
+            num_valid = num_tokens.clamp(min=1)
         else:
-            num_valid = float(max(n, 1))  # a Python number: no host-to-device copy (CUDA graphs)
+            num_tokens = float(n)  # Python numbers: no host-to-device copy (CUDA graphs)
+            num_valid = float(max(n, 1))
         expert_load = chosen.sum(0)  # [E]
         prob_sum = probs.sum(0)  # [E]
         f = expert_load / (num_valid * self.top_k)
         p = prob_sum / num_valid
+        # num_tokens unclamped: a rank whose tokens are all masked adds 0 to the global count, not 1
         return MoEStats(aux_loss=e * (f * p).sum(), expert_load=expert_load.detach(), prob_sum=prob_sum,
-                        num_tokens=num_valid)
+                        num_tokens=num_tokens)
