@@ -240,12 +240,15 @@ quality)
   # run); any other run (a warm start) is exported at its own last checkpoint. QDEPTHS ("5"; e.g. "5 6 7": the
   # drafter is trained for K = 7 steps), QSETS (mtbench,humaneval),
   # QMODES (chain,tree,sampled_tree), QCONC (1,8,64): what bench_quality serves; QSHAPES: more greedy trees
-  # (bench_quality --tree-shapes, e.g. "6x4x24,4x8x32"); NUM / NUM_HE prompts.
+  # (bench_quality --tree-shapes, e.g. "6x4x24,4x8x32"); NUM / NUM_HE prompts; QREPEATS: bench_quality
+  # --timing-repeats (pairs of plain and speculative runs timed together; the speedup of one run against a plain
+  # run timed minutes before moved by up to 8% between two timings in one lease: results.md, twelfth session).
   EQUAL=${EQUAL:-$NAMES}
   common=$(for name in $EQUAL; do ls "$W/$name/checkpoints" | grep step_ | sort; done | sort | uniq -c \
     | awk -v n="$(echo $EQUAL | wc -w)" '$1 == n {print $2}' | tail -1)
   args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --concurrency "${QCONC:-1,8,64}"
-        --modes "${QMODES:-chain,tree,sampled_tree}" --max-new-tokens 256 --tree-shapes "${QSHAPES:-}")
+        --modes "${QMODES:-chain,tree,sampled_tree}" --max-new-tokens 256 --tree-shapes "${QSHAPES:-}"
+        --timing-repeats "${QREPEATS:-0}")
   for name in $NAMES; do
     case " $EQUAL " in *" $name "*) ckpt=$common ;; *) ckpt=$(ls "$W/$name/checkpoints" | grep step_ | sort | tail -1) ;; esac
     exp="$W/${name}_export_${ckpt}"  # one export per checkpoint: a later quality call serves later steps

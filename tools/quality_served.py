@@ -2,8 +2,11 @@
 
 ``serve_drafter`` runs ``SpeculativeEngine`` on the held-out prompt ids (a warm-up for graph capture, then
 ``recipes.bench.measure``) against plain decoding at the same concurrency and temperature, and builds each
-row: served acceptance, speedup, the simulated numbers beside them (``quality_simulated.py``), and for greedy
-chains ``round_agreement``, the fraction of served rounds whose committed count equals the simulated chain at the
+row. With ``--timing-repeats R`` the speedup comes from ``interleaved_timings``: R pairs of plain and
+speculative runs through the same engine, timed together (one run against a plain run timed minutes earlier
+moved by up to 8% between two timings of one lease on the H200: results.md, twelfth session). Each row has
+served acceptance, speedup, the simulated numbers beside them (``quality_simulated.py``), and for greedy chains
+``round_agreement``, the fraction of served rounds whose committed count equals the simulated chain at the
 same start position. ``MODES`` maps a served mode to its temperature; a greedy chain row off its simulation by
 more than ``TOLERANCE`` is flagged.
 """
@@ -43,6 +46,29 @@ def timed(engine, prompts: list[list[int]], spec, temperature: float, max_new: i
     measure(engine, prompts[:c], spec, params, min(16, max_new), seed, c)
     rec = _Recorder(engine)
     return measure(rec, prompts, spec, params, max_new, seed, c), rec.results
+
+
+def interleaved_timings(engine, prompts: list[list[int]], spec, temperature: float, max_new: int, seed: int, c: int,
+                        repeats: int) -> dict:
+    """``repeats`` pairs of timed runs through one engine, plain decoding and ``spec`` on the same prompts, the
+    order alternating (plain first, then ``spec`` first, ...), so a drift of the machine's speed over the pairs
+    falls on both sides. The numbers are the median pair's (the lower middle one for an even count), so its
+    ``speedup`` is exactly its ``tokens_per_s / plain_tokens_per_s``; ``speedup_repeats`` lists every pair's."""
+    params = SamplingParams(temperature=temperature)
+    measure(engine, prompts[:c], None, params, min(16, max_new), seed, c)  # this engine's plain graphs
+    pairs = []
+    for i in range(repeats):
+        runs = {}
+        for s in (None, spec) if i % 2 == 0 else (spec, None):
+            runs["plain" if s is None else "spec"] = measure(engine, prompts, s, params, max_new, seed, c)
+        pairs.append(runs)
+    ratios = [p["spec"]["tokens_per_s"] / p["plain"]["tokens_per_s"] for p in pairs]
+    mid = pairs[sorted(range(repeats), key=ratios.__getitem__)[(repeats - 1) // 2]]
+    return {"speedup": mid["spec"]["tokens_per_s"] / mid["plain"]["tokens_per_s"], "speedup_repeats": ratios,
+            "speedup_min": min(ratios), "speedup_max": max(ratios), "tokens_per_s": mid["spec"]["tokens_per_s"],
+            "plain_tokens_per_s": mid["plain"]["tokens_per_s"], "round_ms": mid["spec"]["round_ms"],
+            "plain_step_ms": mid["plain"]["round_ms"],
+            "round_cost_plain_steps": mid["spec"]["round_ms"] / mid["plain"]["round_ms"]}
 
 
 def chosen_prompts(ids: list[list[int]], c: int) -> list[list[int]]:
@@ -111,6 +137,10 @@ def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict
                        "simulated_served_ids_chain": sim["served_ids"]["chain_acceptance"],
                        "simulated_round_starts": sim["round_starts"]["acceptance"],
                        "simulated_chain_mean": sim["chain_mean"], "simulated_replay": sim["replay"]}
+                if args.timing_repeats:  # the speedup from pairs timed together, the single run's kept beside
+                    row["speedup_unpaired"] = row["speedup"]
+                    row.update(interleaved_timings(engine, chosen_prompts(prompt_ids[set_name], c), spec, temp,
+                                                   args.max_new_tokens, args.seed, c, args.timing_repeats))
                 greedy_chain = mode == "chain" and temp == 0.0
                 if greedy_chain:
                     matched, compared = round_agreement(results, recs, sim["_per_example"])
