@@ -19,8 +19,9 @@ import tempfile
 from pathlib import Path
 
 from torchspec.cli import ArgumentParser, one_line, read_json, user_errors
+from torchspec.export.checkpoint_export import export_from_checkpoint
 from torchspec.export.eagle3_layouts import detect_layout, save_layout
-from torchspec.export.serving import DTYPES, export_from_checkpoint, load_exported_drafter
+from torchspec.export.serving import DTYPES, load_exported_drafter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

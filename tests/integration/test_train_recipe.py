@@ -103,12 +103,8 @@ def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
 def test_end_of_run_serving_export_done_marker_and_rerun(tmp_path, tiny_llama_dir, tiny_chat_jsonl):
     """The run ends with the serving export in <output_dir>/drafter and DONE; rerunning it touches no
     file and says so in one line; a larger train.max_steps continues it without repeating a line."""
-    from torchspec.export.serving import (
-        export_from_checkpoint,
-        export_training,
-        is_export,
-        load_exported_drafter,
-    )
+    from torchspec.export.checkpoint_export import export_from_checkpoint
+    from torchspec.export.serving import export_training, is_export, load_exported_drafter
     from torchspec.targets import TargetDecoder
 
     out, base = tmp_path / "run", ("train.max_steps=3", "train.save_every=2", "train.log_every=1", "train.plot=false")

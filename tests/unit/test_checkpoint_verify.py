@@ -145,7 +145,7 @@ def test_a_named_damaged_checkpoint_is_refused_not_replaced(tmp_path):
 
 
 def test_export_reads_checkpoints_the_same_way(tmp_path, caplog):
-    from torchspec.export.serving import _checkpoint_dir
+    from torchspec.export.checkpoint_export import _checkpoint_dir
 
     run(tmp_path)
     root = tmp_path / "checkpoints"

@@ -1,5 +1,6 @@
 """Serving export (torchspec.export.serving): exact round trip per preset, strict loading, target
-pairing by fingerprint, atomic writes, and export from a real training run's checkpoint."""
+pairing by fingerprint, atomic writes, and export from a real training run's checkpoint
+(torchspec.export.checkpoint_export)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from torchspec.config import DrafterConfig
 from torchspec.data.vocab import build_vocab_mapping
 from torchspec.export import serving
+from torchspec.export.checkpoint_export import export_from_checkpoint
 from torchspec.export.serving import (
     export_drafter,
-    export_from_checkpoint,
     load_exported_drafter,
     read_target_embeddings,
     target_identity,
