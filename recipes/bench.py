@@ -5,9 +5,11 @@
 
 For every prompt set, temperature and concurrency c, the same prompts are decoded by the plain
 decoder (one target forward per token) and by each speculative shape (``--shapes tree,chain``)
-of the same engine, c sequences at a time (continuous batching over c slots). Reported per row:
-decode tokens/s (generated tokens after the first, over wall time minus prefill time), speedup
-over the plain decoder of the same row group, and mean acceptance length (tokens committed per
+of the same engine, c sequences at a time (continuous batching over c slots). Each shape is timed
+in ``--repeats`` pairs with a plain run, the order alternating (``paired_timings``). Reported per
+row: decode tokens/s (generated tokens after the first, over wall time minus prefill time), speedup
+over plain decoding (the median pair's, with every pair's in ``speedup_repeats``; the plain row is
+the median of the group's plain runs), and mean acceptance length (tokens committed per
 verification round, bonus included). A warm-up generate runs first. Prints a table; writes JSON
 (atomically) with every number and the exact arguments. Every option and prompt set is checked
 before a model loads; user errors print one line and exit 2 (``--debug``: the traceback).
@@ -19,6 +21,8 @@ import dataclasses
 import json
 import platform
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,6 +52,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--shapes", default="tree,chain", help="speculative shapes to compare with plain decoding")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="timed pairs of plain and speculative runs per shape, the order alternating; a row's "
+                        "speedup is the median pair's (speedup_repeats: every pair's). Use 3+ for a claim")
     p.add_argument("--out", default="bench_runtime.json", help="JSON output path")
     add_engine_args(p)
     add_spec_args(p)
@@ -80,6 +87,7 @@ def check_args(args) -> dict:
         dataclasses.replace(base_spec, shape=shape).validate()
     check_at_least("--num-prompts", args.num_prompts, 1)
     check_at_least("--max-new-tokens", args.max_new_tokens, 1)
+    check_at_least("--repeats", args.repeats, 1)
     check_engine_args(args, base_spec)
     check_output_file("--out", args.out)
     prompt_sets = {name: read_prompt_set(name) for name in csv_values("--prompt-set", args.prompt_set)}
@@ -106,6 +114,29 @@ def measure(engine, prompts, spec, params, max_new, seed, concurrency) -> dict:
             "round_ms": 1e3 * decode_s / max(engine_rounds, 1), "mean_ctx": mean_ctx}
 
 
+def paired_timings(time_plain: Callable[[], dict], time_spec: Callable[[], dict], repeats: int) -> dict:
+    """``repeats`` pairs of timed runs, plain decoding and speculation, the order alternating (plain first, then
+    speculation first, ...), so a drift of the machine's speed over the pairs falls on both sides: on an H200 one
+    run against a plain run timed minutes before read x1.81 and x1.67 for the same row (docs/results.md, twelfth
+    session). Each ``time_*`` returns ``measure``'s dict (``tokens_per_s`` at least). Returns the median pair,
+    the lower middle one for an even count (``plain``, ``spec``; its ``speedup`` is exactly their tokens/s
+    ratio), and every pair's ratio (``speedup_repeats``, ``speedup_min``, ``speedup_max``)."""
+    check_at_least("repeats", repeats, 1)
+    pairs = []
+    for i in range(repeats):
+        if i % 2 == 0:
+            plain = time_plain()
+            spec = time_spec()
+        else:
+            spec = time_spec()
+            plain = time_plain()
+        pairs.append((plain, spec))
+    ratios = [spec["tokens_per_s"] / plain["tokens_per_s"] for plain, spec in pairs]
+    plain, spec = pairs[sorted(range(repeats), key=ratios.__getitem__)[(repeats - 1) // 2]]
+    return {"plain": plain, "spec": spec, "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
+            "speedup_repeats": ratios, "speedup_min": min(ratios), "speedup_max": max(ratios)}
+
+
 def run(args) -> dict:
     from torchspec.runtime.loading import load_engine
     from torchspec.runtime.prompts import render_prompts
@@ -127,18 +158,26 @@ def run(args) -> dict:
             for c in levels:
                 chosen = (prompts * (1 + max(c, args.num_prompts) // len(prompts)))[: max(c, args.num_prompts)]
                 measure(engine, chosen[:c], None, params, 16, args.seed, c)  # warm-up
-                plain = measure(engine, chosen, None, params, args.max_new_tokens, args.seed, c)
+                group, plains = [], []
+                for shape in shapes:  # every shape paired with plain runs of its own (--repeats)
+                    spec = dataclasses.replace(base_spec, shape=shape)
+                    measure(engine, chosen[:c], spec, params, 16, args.seed, c)
+                    paired = paired_timings(partial(measure, engine, chosen, None, params, args.max_new_tokens, args.seed, c),
+                                            partial(measure, engine, chosen, spec, params, args.max_new_tokens, args.seed, c),
+                                            args.repeats)
+                    plains.append(paired["plain"])
+                    group.append({"prompt_set": set_name, "temperature": temp, "concurrency": c, "mode": shape,
+                                  **paired["spec"], "plain_tokens_per_s": paired["plain"]["tokens_per_s"],
+                                  "plain_step_ms": paired["plain"]["round_ms"],
+                                  **{k: paired[k] for k in ("speedup", "speedup_repeats", "speedup_min", "speedup_max")}})
+                # the plain row: the median of the group's plain runs (by tokens/s)
+                plain = sorted(plains, key=lambda r: r["tokens_per_s"])[(len(plains) - 1) // 2]
                 step_bytes = bytes_per_plain_step(engine, c, plain["mean_ctx"])
                 rows.append({"prompt_set": set_name, "temperature": temp, "concurrency": c, "mode": "plain",
                              **plain, **step_costs(plain["round_ms"], plain["round_ms"], step_bytes, copy_rate),
                              "speedup": 1.0})
-                for shape in shapes:
-                    spec = dataclasses.replace(base_spec, shape=shape)
-                    measure(engine, chosen[:c], spec, params, 16, args.seed, c)
-                    res = measure(engine, chosen, spec, params, args.max_new_tokens, args.seed, c)
-                    rows.append({"prompt_set": set_name, "temperature": temp, "concurrency": c, "mode": shape,
-                                 **res, **step_costs(res["round_ms"], plain["round_ms"], step_bytes, copy_rate),
-                                 "speedup": res["tokens_per_s"] / plain["tokens_per_s"]})
+                for row in group:
+                    rows.append({**row, **step_costs(row["round_ms"], row["plain_step_ms"], step_bytes, copy_rate)})
                     if is_rank0():
                         print(format_row(rows[-1]), flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and engine.device.type == "cuda" else \

@@ -7,7 +7,7 @@ from configs and random weights (no files, nothing to download), a target that i
 it (eh_proj = [I, 0] plus ``--noise``, the target's head), as tests/runtime_pair.py does:
 lower noise = higher acceptance. For every noise level and concurrency it decodes the same
 random-token prompts with the plain decoder and with each speculative shape of the same engine
-(CUDA graphs on), and reports tokens/s, speedup, mean acceptance length and the efficiency
+(CUDA graphs on; ``--repeats`` pairs of the two, timed together), and reports tokens/s, speedup, mean acceptance length and the efficiency
 speedup / acceptance (1.0 = a round costs one plain step; the ideal a runtime approaches).
 
     python tools/bench_runtime_efficiency.py --shape qwen3-8b --noise 0.0,0.2 --concurrency 1,8,64 \\
@@ -22,12 +22,14 @@ import json
 import pathlib
 import sys
 import time
+from functools import partial
 
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from recipes.bench import paired_timings  # noqa: E402
 from torchspec.runtime.costs import bytes_per_plain_step, copy_rate_bytes_per_s, step_costs  # noqa: E402
 
 SHAPES = {  # name: (family, hidden, layers, heads, kv_heads, head_dim, intermediate, vocab)
@@ -155,6 +157,9 @@ def main() -> None:
     p.add_argument("--head-rank", type=int, default=128,
                    help="the drafter's low-rank scorer rank (EAGLE-4's efficient head); 0 = the full head")
     p.add_argument("--layers", type=int, default=None, help="override the shape's layer count (smoke runs)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed pairs of plain and speculative runs per row, the order alternating; the row is the "
+                        "median pair (recipes.bench.paired_timings)")
     p.add_argument("--out", default="runtime_efficiency.json")
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run)")
     args = p.parse_args()
@@ -175,16 +180,17 @@ def main() -> None:
             for c in levels:
                 n = max(c, 8)
                 prompts = torch.randint(0, vocab, (n, args.prompt_len), generator=g).tolist()
-                plain = measure(engine, prompts, None, args.max_new_tokens, c)
-                for name, spec in specs.items():
-                    res = measure(engine, prompts, spec, args.max_new_tokens, c)
+                for name, spec in specs.items():  # pairs of plain and speculative runs (--repeats)
+                    paired = paired_timings(partial(measure, engine, prompts, None, args.max_new_tokens, c),
+                                            partial(measure, engine, prompts, spec, args.max_new_tokens, c), args.repeats)
+                    plain, res, speedup = paired["plain"], paired["spec"], paired["speedup"]
                     check_tp_consistency(res["outputs"], tp_group)
-                    speedup = res["tokens_per_s"] / plain["tokens_per_s"]
                     step_bytes = bytes_per_plain_step(engine, c, args.prompt_len + args.max_new_tokens / 2)
                     row = {"shape": shape, "noise": noise, "concurrency": c, "mode": name,
                            **step_costs(res["round_ms"], plain["round_ms"], step_bytes, copy_rate),
                            "plain_tokens_per_s": plain["tokens_per_s"], "tokens_per_s": res["tokens_per_s"],
                            "speedup": speedup, "mean_acceptance": res["mean_acceptance"],
+                           **{k: paired[k] for k in ("speedup_repeats", "speedup_min", "speedup_max")},
                            "efficiency": speedup / res["mean_acceptance"],
                            "identical_to_plain": sum(a == b for a, b in zip(res["outputs"], plain["outputs"])) / n}
                     rows.append(row)

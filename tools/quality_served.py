@@ -14,11 +14,12 @@ more than ``TOLERANCE`` is flagged.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from quality_simulated import chain_length
 
-from recipes.bench import measure
+from recipes.bench import measure, paired_timings
 from torchspec.runtime.sampling import SamplingParams
 
 MODES = {"chain": 0.0, "tree": 0.0, "sampled_tree": 1.0}  # mode -> temperature
@@ -50,25 +51,17 @@ def timed(engine, prompts: list[list[int]], spec, temperature: float, max_new: i
 
 def interleaved_timings(engine, prompts: list[list[int]], spec, temperature: float, max_new: int, seed: int, c: int,
                         repeats: int) -> dict:
-    """``repeats`` pairs of timed runs through one engine, plain decoding and ``spec`` on the same prompts, the
-    order alternating (plain first, then ``spec`` first, ...), so a drift of the machine's speed over the pairs
-    falls on both sides. The numbers are the median pair's (the lower middle one for an even count), so its
-    ``speedup`` is exactly its ``tokens_per_s / plain_tokens_per_s``; ``speedup_repeats`` lists every pair's."""
+    """``recipes.bench.paired_timings`` of plain decoding and ``spec`` through one engine on the same prompts: the
+    row's speedup, tokens/s and step times from the median pair, and every pair's speedup."""
     params = SamplingParams(temperature=temperature)
     measure(engine, prompts[:c], None, params, min(16, max_new), seed, c)  # this engine's plain graphs
-    pairs = []
-    for i in range(repeats):
-        runs = {}
-        for s in (None, spec) if i % 2 == 0 else (spec, None):
-            runs["plain" if s is None else "spec"] = measure(engine, prompts, s, params, max_new, seed, c)
-        pairs.append(runs)
-    ratios = [p["spec"]["tokens_per_s"] / p["plain"]["tokens_per_s"] for p in pairs]
-    mid = pairs[sorted(range(repeats), key=ratios.__getitem__)[(repeats - 1) // 2]]
-    return {"speedup": mid["spec"]["tokens_per_s"] / mid["plain"]["tokens_per_s"], "speedup_repeats": ratios,
-            "speedup_min": min(ratios), "speedup_max": max(ratios), "tokens_per_s": mid["spec"]["tokens_per_s"],
-            "plain_tokens_per_s": mid["plain"]["tokens_per_s"], "round_ms": mid["spec"]["round_ms"],
-            "plain_step_ms": mid["plain"]["round_ms"],
-            "round_cost_plain_steps": mid["spec"]["round_ms"] / mid["plain"]["round_ms"]}
+    paired = paired_timings(partial(measure, engine, prompts, None, params, max_new, seed, c),
+                            partial(measure, engine, prompts, spec, params, max_new, seed, c), repeats)
+    plain, spec_run = paired["plain"], paired["spec"]
+    return {**{k: paired[k] for k in ("speedup", "speedup_repeats", "speedup_min", "speedup_max")},
+            "tokens_per_s": spec_run["tokens_per_s"], "plain_tokens_per_s": plain["tokens_per_s"],
+            "round_ms": spec_run["round_ms"], "plain_step_ms": plain["round_ms"],
+            "round_cost_plain_steps": spec_run["round_ms"] / plain["round_ms"]}
 
 
 def chosen_prompts(ids: list[list[int]], c: int) -> list[list[int]]:

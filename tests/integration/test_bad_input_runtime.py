@@ -78,6 +78,7 @@ BENCH = [
     ("shape_unknown", ["--shapes", "tree,star"], "star", None),
     ("top_p_too_big", ["--top-p", "2"], "top_p", None),
     ("max_new_tokens_zero", ["--max-new-tokens", "0"], "--max-new-tokens=0", None),
+    ("repeats_zero", ["--repeats", "0"], "--repeats=0", None),
     ("num_prompts_zero", ["--num-prompts", "0"], "--num-prompts=0", None),
     ("prompt_set_missing", ["--prompt-set", "{tmp}/nope.txt"], "{tmp}/nope.txt", None),
     ("out_is_a_directory", ["--out", "{made}"], "{made}", a_dir),

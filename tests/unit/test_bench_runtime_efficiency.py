@@ -18,7 +18,7 @@ def test_bench_runtime_efficiency_smoke(tmp_path):
     out = tmp_path / "eff.json"
     tool = Path(__file__).resolve().parents[2] / "tools" / "bench_runtime_efficiency.py"
     subprocess.run([sys.executable, str(tool), "--shape", "tiny", "--device", "cpu", "--noise", "0.0",
-                    "--concurrency", "1", "--max-new-tokens", "6", "--prompt-len", "8", "--out", str(out)],
+                    "--concurrency", "1", "--max-new-tokens", "6", "--prompt-len", "8", "--repeats", "2", "--out", str(out)],
                    check=True, capture_output=True, text=True, timeout=300)
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and data["copy_rate_gb_per_s"] is None
@@ -27,3 +27,5 @@ def test_bench_runtime_efficiency_smoke(tmp_path):
         assert KEYS <= set(row)
         assert row["plain_step_ms"] > 0 and row["round_ms"] > 0 and row["hbm_fraction"] is None
         assert abs(row["round_cost_plain_steps"] - row["round_ms"] / row["plain_step_ms"]) < 1e-9
+        assert len(row["speedup_repeats"]) == 2 and row["speedup"] == min(row["speedup_repeats"])  # lower middle
+        assert abs(row["speedup"] - row["tokens_per_s"] / row["plain_tokens_per_s"]) < 1e-9
