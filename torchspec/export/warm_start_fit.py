@@ -43,8 +43,8 @@ def collect_eagle3_samples(e3: Eagle3Drafter, input_ids: Tensor, aux: list[Tenso
     positions = torch.arange(t).expand(b, t)
     seen: dict[str, Tensor] = {}
     hooks = [e3.layer.self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("a", i[0])),
-             e3.layer.mlp.register_forward_hook(lambda m, i, o: seen.__setitem__("mlp", o)),
-             e3.layer.register_forward_hook(lambda m, i, o: seen.__setitem__("x", o))]
+             e3.layer.self_attn.register_forward_hook(lambda m, i, o: seen.__setitem__("attn", o)),
+             e3.layer.mlp.register_forward_hook(lambda m, i, o: seen.__setitem__("mlp", o))]
     try:
         hidden, cache, steps = e3.fuse_target_states(aux), [], []
         for k in range(min(num_steps, t - 1)):
@@ -52,7 +52,8 @@ def collect_eagle3_samples(e3: Eagle3Drafter, input_ids: Tensor, aux: list[Tenso
             valid = shift_left(real, k + 1, fill=False) & real
             g = hidden
             _, hidden = e3.step(ids, hidden, positions + k, e3.ttt_attend(kv=cache))
-            steps.append({"ids": ids, "g": g, "a": seen["a"], "x": seen["x"], "mlp": seen["mlp"], "valid": valid})
+            x = g + seen["attn"] + seen["mlp"]  # the layer's output, summed in its own order (forward)
+            steps.append({"ids": ids, "g": g, "a": seen["a"], "x": x, "mlp": seen["mlp"], "valid": valid})
     finally:
         for h in hooks:
             h.remove()

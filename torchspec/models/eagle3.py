@@ -51,7 +51,7 @@ from torchspec.attend import Attend
 from torchspec.data.vocab import build_vocab_mapping, token_frequencies, vocab_coverage
 from torchspec.models.base import Drafter
 from torchspec.models.config_base import SHARED_ARCH_FIELDS, SHARED_REQUIRED, Flag, StrictDrafterConfig
-from torchspec.models.layers import Attention, RotaryEmbedding, SwiGLU
+from torchspec.models.layers import Attention, RotaryEmbedding, SwiGLU, step_input
 from torchspec.targets.layers import RMSNorm
 
 
@@ -116,10 +116,16 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size)
 
-    def forward(self, emb, hidden, cos, sin, attend: Attend):
-        attn_in = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        x = hidden + self.self_attn(attn_in, cos, sin, attend)  # residual is the hidden, width H
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, attn_in, hidden, cos, sin, attend: Attend):
+        """attn_in: cat(input_layernorm(embedding), hidden_norm(hidden)) [B, T, 2H] (``layers.step_input``)."""
+        x, delta = self.forward_pending(attn_in, hidden, cos, sin, attend)
+        return x + delta
+
+    def forward_pending(self, attn_in, hidden, cos, sin, attend: Attend):
+        """``forward`` with its last residual add left to the caller (x, mlp output): the final norm's kernel
+        takes it (``RMSNorm.add_norm``), as the post-attention norm takes the first."""
+        x, h = self.post_attention_layernorm.add_norm(hidden, self.self_attn(attn_in, cos, sin, attend))  # residual: hidden
+        return x, self.mlp(h)
 
 
 class Eagle3Drafter(Drafter):
@@ -268,10 +274,9 @@ class Eagle3Drafter(Drafter):
         EAGLE-3 has a dense MLP and ignores them.
         Returns (normed [B, T, H] -> feed ``lm_head``; feedback [B, T, H] -> next step's hidden).
         """
-        emb = self.embed_tokens(input_ids).to(hidden.dtype)
+        attn_in = step_input(self.embed_tokens, input_ids, hidden, self.layer.input_layernorm, self.layer.hidden_norm)
         cos, sin = self.rotary.cos_sin(positions)
-        x = self.layer(emb, hidden, cos, sin, attend)
-        normed = self.norm(x)
+        x, normed = self.norm.add_norm(*self.layer.forward_pending(attn_in, hidden, cos, sin, attend))
         return normed, (normed if self.config.norm_output else x)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:

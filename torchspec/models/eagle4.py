@@ -26,7 +26,7 @@ from torch import nn
 from torchspec.attend import Attend
 from torchspec.models.base import Drafter
 from torchspec.models.config_base import SHARED_ARCH_FIELDS, SHARED_REQUIRED, Flag, StrictDrafterConfig
-from torchspec.models.layers import Attention, RotaryEmbedding, SwiGLU
+from torchspec.models.layers import Attention, RotaryEmbedding, SwiGLU, step_input
 from torchspec.models.lm_head import EfficientLMHead
 from torchspec.models.moe import MoEMLP
 from torchspec.targets.layers import RMSNorm
@@ -93,14 +93,19 @@ class Eagle4DecoderLayer(nn.Module):
             self.mlp = SwiGLU(h, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, attend: Attend, token_mask=None, moe_stats=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        h = self.post_attention_layernorm(x)
+        x, delta = self.forward_pending(x, cos, sin, attend, token_mask, moe_stats)
+        return x + delta
+
+    def forward_pending(self, x, cos, sin, attend: Attend, token_mask=None, moe_stats=None):
+        """``forward`` with its last residual add left to the caller: (x, mlp output), so that the
+        drafter's final norm takes the add into its own kernel (``RMSNorm.add_norm``)."""
+        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), cos, sin, attend))
         if not self.moe:
-            return x + self.mlp(h)
+            return x, self.mlp(h)
         out, stats = self.mlp(h, token_mask, with_stats=moe_stats is not None)
         if moe_stats is not None:
             moe_stats.append(stats)  # one MoEStats per TTT step
-        return x + out
+        return x, out
 
 
 class Eagle4Drafter(Drafter):
@@ -164,11 +169,9 @@ class Eagle4Drafter(Drafter):
         appends its ``MoEStats`` to ``moe_stats``.
         Returns (normed [B, T, H] -> feed the head; feedback [B, T, H] -> next step's hidden).
         """
-        emb = self.embed_tokens(input_ids).to(hidden.dtype)
-        x = self.eh_proj(torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], dim=-1))
+        x = self.eh_proj(step_input(self.embed_tokens, input_ids, hidden, self.embed_norm, self.hidden_norm))
         cos, sin = (None, None) if self.config.nope else self.rotary.cos_sin(positions)
-        x = self.layer(x, cos, sin, attend, token_mask, moe_stats)
-        normed = self.norm(x)
+        x, normed = self.norm.add_norm(*self.layer.forward_pending(x, cos, sin, attend, token_mask, moe_stats))
         return normed, (normed if self.config.norm_output else x)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,21 @@
-"""Building blocks shared by the drafters: rotary embeddings, SwiGLU MLP and the grouped-query
-attention module (RMSNorm and the RoPE rotation are the target's, ``torchspec/targets``).
+"""Building blocks shared by the drafters: rotary embeddings, SwiGLU MLP, the grouped-query
+attention module and the step's input (RMSNorm and the RoPE rotation are the target's, ``torchspec/targets``).
 
 Serving fuses them once (``fuse_serving_layers``, called by ``DrafterRunner.fuse_for_serving``):
-one GEMM for q|k|v and for gate|up, and the RMSNorm / RoPE / SwiGLU elementwise chains compiled to one
-kernel each on CUDA (``torchspec.targets.fused_ops``) -- the target decoder's serving fusion, applied
-to the drafter's one layer. Training never fuses (its parameter names are the checkpoint's).
+one GEMM for q|k|v and for gate|up, and the elementwise chains compiled to one kernel each on CUDA
+(``torchspec.targets.fused_ops``) -- the target decoder's serving fusion, applied to the drafter's one
+layer. A drafter step runs at every draft depth of every round, so its small kernels weigh on a small
+target's round (SmolLM2: ~2.5 us each, ~32 a step before these regions); each region is the eager chain
+it replaces, op for op:
+
+    rope_tables        positions -> cos, sin (5 kernels -> 1)
+    rope_qk            RoPE of q and k (2 -> 1, a combo kernel: ``ONE_LAUNCH``)
+    embed_hidden       the token's embedding row and its RMSNorm, the hidden's RMSNorm, their concatenation:
+                       the step's input (4 -> 1, a combo kernel)
+    RMSNorm.add_norm   the residual adds with the norms after them (post-attention; the final norm, through
+                       ``Eagle4DecoderLayer.forward_pending``) (2 x 2 -> 2 x 1)
+
+Training never fuses (its parameter names are the checkpoint's); neither does the CPU.
 
 The attention module computes q/k/v (projections, RoPE or NoPE) and hands them to an ``attend``
 the CALLER chose (the contract of ``torchspec/attend.py``): the training unroll passes a
@@ -21,9 +32,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchspec.attend import Attend
-from torchspec.targets.fused_ops import fused
-from torchspec.targets.layers import RMSNorm, fuse_linears, silu_mul_fused
+from torchspec.targets.fused_ops import ONE_LAUNCH, fused
+from torchspec.targets.layers import RMSNorm, fuse_linears, rms_norm, silu_mul_fused
 from torchspec.targets.rope import rotate_half
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> cos, sin [B, T, D] (fp32)."""
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D]
+    return emb.cos(), emb.sin()
+
+
+rope_tables_fused = fused(rope_tables)
 
 
 class RotaryEmbedding(nn.Module):
@@ -33,11 +54,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.fused = False  # serving on CUDA: one kernel (``fuse_serving_layers``)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D]
-        return emb.cos(), emb.sin()
+        return (rope_tables_fused if self.fused else rope_tables)(positions, self.inv_freq)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -46,7 +66,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-apply_rope_fused = fused(apply_rope)
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rope`` of q and of k."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+rope_qk_fused = fused(rope_qk, ONE_LAUNCH)
+
+
+def embed_hidden(embed_weight: torch.Tensor, input_ids: torch.Tensor, hidden: torch.Tensor, embed_norm_weight: torch.Tensor,
+                 embed_eps: float, hidden_norm_weight: torch.Tensor, hidden_eps: float) -> torch.Tensor:
+    """A drafter step's input: cat(RMSNorm(embedding of the token), RMSNorm(hidden)) [B, T, 2H], the
+    embedding row cast to the hidden's dtype first."""
+    emb = F.embedding(input_ids, embed_weight).to(hidden.dtype)
+    return torch.cat([rms_norm(emb, embed_norm_weight, embed_eps), rms_norm(hidden, hidden_norm_weight, hidden_eps)],
+                     dim=-1)
+
+
+embed_hidden_fused = fused(embed_hidden, ONE_LAUNCH)
+
+
+def step_input(embedding: nn.Embedding, input_ids: torch.Tensor, hidden: torch.Tensor, embed_norm: RMSNorm,
+               hidden_norm: RMSNorm) -> torch.Tensor:
+    """``embed_hidden`` with a drafter's modules (one kernel when they are fused for serving)."""
+    region = embed_hidden_fused if embed_norm.fused else embed_hidden
+    return region(embedding.weight, input_ids, hidden, embed_norm.weight, embed_norm.eps, hidden_norm.weight,
+                  hidden_norm.eps)
 
 
 class SwiGLU(nn.Module):
@@ -109,8 +154,7 @@ class Attention(nn.Module):
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cos is not None:
-            rope = apply_rope if self.qkv_proj is None else apply_rope_fused
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            q, k = (rope_qk if self.qkv_proj is None else rope_qk_fused)(q, k, cos, sin)
         return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, attend: Attend,
@@ -127,5 +171,5 @@ def fuse_serving_layers(model: nn.Module) -> None:
         if isinstance(module, Attention) and module.qkv_proj is None \
                 or isinstance(module, SwiGLU) and module.gate_up_proj is None:
             module.fuse()  # once: a second call finds the fused projection
-        elif isinstance(module, RMSNorm):
+        elif isinstance(module, RMSNorm | RotaryEmbedding):
             module.fused = True
