@@ -117,13 +117,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = SwiGLU(h, cfg.intermediate_size)
 
     def forward(self, attn_in, hidden, cos, sin, attend: Attend):
-        """attn_in: cat(input_layernorm(embedding), hidden_norm(hidden)) [B, T, 2H] (``layers.step_input``)."""
-        x, delta = self.forward_pending(attn_in, hidden, cos, sin, attend)
-        return x + delta
-
-    def forward_pending(self, attn_in, hidden, cos, sin, attend: Attend):
-        """``forward`` with its last residual add left to the caller (x, mlp output): the final norm's kernel
-        takes it (``RMSNorm.add_norm``), as the post-attention norm takes the first."""
+        """attn_in: cat(input_layernorm(embedding), hidden_norm(hidden)) [B, T, 2H] (``layers.step_input``)
+        -> (x, mlp output): the layer's output is their sum, left to the caller so that the final norm's kernel
+        takes the add (``RMSNorm.add_norm``), as the post-attention norm takes the first."""
         x, h = self.post_attention_layernorm.add_norm(hidden, self.self_attn(attn_in, cos, sin, attend))  # residual: hidden
         return x, self.mlp(h)
 
@@ -276,7 +272,7 @@ class Eagle3Drafter(Drafter):
         """
         attn_in = step_input(self.embed_tokens, input_ids, hidden, self.layer.input_layernorm, self.layer.hidden_norm)
         cos, sin = self.rotary.cos_sin(positions)
-        x, normed = self.norm.add_norm(*self.layer.forward_pending(attn_in, hidden, cos, sin, attend))
+        x, normed = self.norm.add_norm(*self.layer(attn_in, hidden, cos, sin, attend))
         return normed, (normed if self.config.norm_output else x)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:

@@ -93,12 +93,8 @@ class Eagle4DecoderLayer(nn.Module):
             self.mlp = SwiGLU(h, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, attend: Attend, token_mask=None, moe_stats=None):
-        x, delta = self.forward_pending(x, cos, sin, attend, token_mask, moe_stats)
-        return x + delta
-
-    def forward_pending(self, x, cos, sin, attend: Attend, token_mask=None, moe_stats=None):
-        """``forward`` with its last residual add left to the caller: (x, mlp output), so that the
-        drafter's final norm takes the add into its own kernel (``RMSNorm.add_norm``)."""
+        """-> (x, mlp output): the layer's output is their sum, left to the caller so that the drafter's
+        final norm takes the add into its own kernel (``RMSNorm.add_norm``)."""
         x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), cos, sin, attend))
         if not self.moe:
             return x, self.mlp(h)
@@ -171,7 +167,7 @@ class Eagle4Drafter(Drafter):
         """
         x = self.eh_proj(step_input(self.embed_tokens, input_ids, hidden, self.embed_norm, self.hidden_norm))
         cos, sin = (None, None) if self.config.nope else self.rotary.cos_sin(positions)
-        x, normed = self.norm.add_norm(*self.layer.forward_pending(x, cos, sin, attend, token_mask, moe_stats))
+        x, normed = self.norm.add_norm(*self.layer(x, cos, sin, attend, token_mask, moe_stats))
         return normed, (normed if self.config.norm_output else x)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:

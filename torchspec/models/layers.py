@@ -13,7 +13,7 @@ it replaces, op for op:
     embed_hidden       the token's embedding row and its RMSNorm, the hidden's RMSNorm, their concatenation:
                        the step's input (4 -> 1, a combo kernel)
     RMSNorm.add_norm   the residual adds with the norms after them (post-attention; the final norm, through
-                       ``Eagle4DecoderLayer.forward_pending``) (2 x 2 -> 2 x 1)
+                       the layer's ``forward``, which leaves its last add to the caller) (2 x 2 -> 2 x 1)
 
 Training never fuses (its parameter names are the checkpoint's); neither does the CPU.
 
