@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from tests.cuda_kernels import kernel_counts
 from tests.runtime_pair import build_pair
 from torchspec.export.serving import load_exported_drafter
 from torchspec.models.layers import (
@@ -40,18 +41,8 @@ GEMM = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitk|cublas|dot_kernel|reduce
 STEP_NON_GEMM_MOST = 16
 
 
-def _kernels(fn, reps: int = 3) -> collections.Counter:
-    """CUDA kernels (name -> launches) of one call of ``fn``, after a warm-up call that compiles."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    names = collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return collections.Counter({k: n / reps for k, n in names.items()})
+def _kernels(fn) -> collections.Counter:
+    return kernel_counts(fn, reps=3)
 
 
 def _randn(*shape, dtype=torch.bfloat16, seed=0):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.cuda_kernels import kernel_total
 from tests.unit.test_runtime_verify import random_tree
 from torchspec.runtime.paged_kv import _write_slots
 from torchspec.runtime.steps import _compaction, _step0_layout
@@ -24,24 +25,13 @@ PAGE = 16
 MAX_KERNELS = 8  # per region (the greedy walk: + one per depth pass at most); eager they were 10-45 each
 
 
-def _kernels(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
 def _same(fused_fn, args) -> int:
     """Compiled == eager (exactly) for ``args``; returns the compiled call's kernel count."""
     got, want = fused_fn(*args), fused_fn.__wrapped__(*args)
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
-    return _kernels(lambda: fused_fn(*args))
+    return kernel_total(lambda: fused_fn(*args))
 
 
 def _table(b: int, pages: int, seed: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ import re
 import pytest
 import torch
 
+from tests.cuda_kernels import kernel_counts
 from torchspec.runtime.paged_kv import PagedAttend, PagedKVCache, build_attention_meta
 from torchspec.targets import TargetDecoder, build_tiny_target
 from torchspec.targets.layers import add_rms_norm_fused, qk_norm_rope_fused
@@ -116,18 +117,8 @@ def test_fused_decode_step_replays_in_a_cuda_graph(targets):
     torch.testing.assert_close(out, eager)
 
 
-def _kernels(fn, reps: int = 3) -> collections.Counter:
-    """CUDA kernels (name -> launches) of one call of ``fn``, after a warm-up call that compiles."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    names = collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return collections.Counter({k: n / reps for k, n in names.items()})
+def _kernels(fn) -> collections.Counter:
+    return kernel_counts(fn, reps=3)
 
 
 @pytest.mark.parametrize("batch", [1, 4])

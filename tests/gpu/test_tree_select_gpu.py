@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.test_round_glue_gpu import _kernels, _same
+from tests.cuda_kernels import kernel_total
+from tests.gpu.test_round_glue_gpu import _same
 from torchspec.runtime.tree_select import assemble_tree, expand_frontier, log_top, with_ancestors
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +27,7 @@ CAPS = {"expand_frontier": 10, "with_ancestors": 6, "assemble_tree": 20, "log_to
 def _fused_and_capped(name: str, fused_fn, args, cap: bool = True) -> None:
     """Compiled == eager exactly (``_same``), no more kernels than eager, and within the region's cap."""
     compiled = _same(fused_fn, args)
-    eager = _kernels(lambda: fused_fn.__wrapped__(*args))
+    eager = kernel_total(lambda: fused_fn.__wrapped__(*args))
     assert compiled <= eager, f"{name}: compiled {compiled} kernels > eager {eager}"
     assert not cap or compiled <= CAPS[name], f"{name}: {compiled} kernels > cap {CAPS[name]}"
 
@@ -77,6 +78,6 @@ def test_log_top_matches_eager_to_rounding(shape, k, ids):
     # a score no other of its row equals has one id: the same compiled and eager
     unique = (sc_ref[..., :, None] == sc_ref[..., None, :]).sum(-1) == 1
     assert torch.equal(top[unique], top_ref[unique]) and bool(unique.any())
-    compiled, eager = _kernels(lambda: log_top(*args)), _kernels(lambda: log_top.__wrapped__(*args))
+    compiled, eager = kernel_total(lambda: log_top(*args)), kernel_total(lambda: log_top.__wrapped__(*args))
     assert compiled <= eager, f"log_top {shape}: compiled {compiled} kernels > eager {eager}"
     assert not ids or compiled <= CAPS["log_top"], f"log_top {shape}: {compiled} kernels > cap {CAPS['log_top']}"
