@@ -137,6 +137,13 @@ def paired_timings(time_plain: Callable[[], dict], time_spec: Callable[[], dict]
             "speedup_repeats": ratios, "speedup_min": min(ratios), "speedup_max": max(ratios)}
 
 
+def paired_fields(paired: dict) -> dict:
+    """A row's speedup fields from ``paired_timings``: the median pair's speedup and plain run, every pair's ratio."""
+    return {"speedup": paired["speedup"], "speedup_repeats": paired["speedup_repeats"],
+            "speedup_min": paired["speedup_min"], "speedup_max": paired["speedup_max"],
+            "plain_tokens_per_s": paired["plain"]["tokens_per_s"], "plain_step_ms": paired["plain"]["round_ms"]}
+
+
 def run(args) -> dict:
     from torchspec.runtime.loading import load_engine
     from torchspec.runtime.prompts import render_prompts
@@ -167,9 +174,7 @@ def run(args) -> dict:
                                             args.repeats)
                     plains.append(paired["plain"])
                     group.append({"prompt_set": set_name, "temperature": temp, "concurrency": c, "mode": shape,
-                                  **paired["spec"], "plain_tokens_per_s": paired["plain"]["tokens_per_s"],
-                                  "plain_step_ms": paired["plain"]["round_ms"],
-                                  **{k: paired[k] for k in ("speedup", "speedup_repeats", "speedup_min", "speedup_max")}})
+                                  **paired["spec"], **paired_fields(paired)})
                 # the plain row: the median of the group's plain runs (by tokens/s)
                 plain = sorted(plains, key=lambda r: r["tokens_per_s"])[(len(plains) - 1) // 2]
                 step_bytes = bytes_per_plain_step(engine, c, plain["mean_ctx"])

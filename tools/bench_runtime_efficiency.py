@@ -29,7 +29,7 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from recipes.bench import paired_timings  # noqa: E402
+from recipes.bench import paired_fields, paired_timings  # noqa: E402
 from torchspec.runtime.costs import bytes_per_plain_step, copy_rate_bytes_per_s, step_costs  # noqa: E402
 
 SHAPES = {  # name: (family, hidden, layers, heads, kv_heads, head_dim, intermediate, vocab)
@@ -188,9 +188,8 @@ def main() -> None:
                     step_bytes = bytes_per_plain_step(engine, c, args.prompt_len + args.max_new_tokens / 2)
                     row = {"shape": shape, "noise": noise, "concurrency": c, "mode": name,
                            **step_costs(res["round_ms"], plain["round_ms"], step_bytes, copy_rate),
-                           "plain_tokens_per_s": plain["tokens_per_s"], "tokens_per_s": res["tokens_per_s"],
-                           "speedup": speedup, "mean_acceptance": res["mean_acceptance"],
-                           **{k: paired[k] for k in ("speedup_repeats", "speedup_min", "speedup_max")},
+                           **paired_fields(paired), "tokens_per_s": res["tokens_per_s"],
+                           "mean_acceptance": res["mean_acceptance"],
                            "efficiency": speedup / res["mean_acceptance"],
                            "identical_to_plain": sum(a == b for a, b in zip(res["outputs"], plain["outputs"])) / n}
                     rows.append(row)

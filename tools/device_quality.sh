@@ -250,7 +250,7 @@ warm)
   ;;
 fetch)
   # FETCH=<run>: its latest checkpoint's bf16 export, packed once into $W/parts_<run> (tools/drafter_parts.py; the
-  # target's embedding left out: SmolLM2's EAGLE-4 is then ~76 MiB, 5 parts of 16 MiB), so a later lease serves it
+  # target's embedding left out: SmolLM2's EAGLE-4 is then ~76 MiB, 5 parts of 15.5 MiB), so a later lease serves it
   # without training again. FETCH_PARTS="0 1 2": the parts this call returns ($OUT takes 64 MiB a call: three
   # parts; the manifest comes back with every call). Here: keep each call's files in its own carried folder, e.g.
   # .carryD and .carryE, and bring them back with restore.

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, save, save_file
+from safetensors.torch import load, load_file, save, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,13 +57,11 @@ def target_embedding(target: str, cache_dir: str, config: dict) -> torch.Tensor:
 
     path = resolve_target_path(target, os.path.expanduser(cache_dir))
     dtype = getattr(torch, config.get("dtype", "float32"))
-    return read_target_embeddings(path, config["aux_layer_ids"], dtype).embed_tokens_weight.to(dtype)
+    return read_target_embeddings(path, config["aux_layer_ids"], dtype).embed_tokens_weight
 
 
 def pack(export: Path, out: Path, part_bytes: int, target: str | None = None, cache_dir: str = "~/.cache/torchspec") -> dict:
     """``export`` -> ``out``/manifest + parts (module docstring); returns the manifest."""
-    from safetensors.torch import load_file
-
     if not (export / WEIGHTS).is_file() or not (export / "config.json").is_file():
         raise ValueError(f"{export}: not a drafter export (no {WEIGHTS} and config.json); give the folder "
                          f"torchspec-export wrote")
@@ -103,6 +101,9 @@ def find_parts(folders: list[Path]) -> tuple[dict, dict[str, Path]]:
     manifest = json.loads(manifests[0].read_text())
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{manifests[0]}: not a {FORMAT} manifest")
+    for other in manifests[1:]:  # every call of a fetch brings the manifest: they must be one pack's
+        if json.loads(other.read_text()) != manifest:
+            raise ValueError(f"{other} and {manifests[0]} describe different packs: give the parts of one pack")
     found = {p.name: p for f in folders for p in f.glob("drafter.part*") if not p.name.startswith(".")}
     return manifest, found
 

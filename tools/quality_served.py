@@ -19,7 +19,7 @@ from functools import partial
 import torch
 from quality_simulated import chain_length
 
-from recipes.bench import measure, paired_timings
+from recipes.bench import measure, paired_fields, paired_timings
 from torchspec.runtime.sampling import SamplingParams
 
 MODES = {"chain": 0.0, "tree": 0.0, "sampled_tree": 1.0}  # mode -> temperature
@@ -57,11 +57,9 @@ def interleaved_timings(engine, prompts: list[list[int]], spec, temperature: flo
     measure(engine, prompts[:c], None, params, min(16, max_new), seed, c)  # this engine's plain graphs
     paired = paired_timings(partial(measure, engine, prompts, None, params, max_new, seed, c),
                             partial(measure, engine, prompts, spec, params, max_new, seed, c), repeats)
-    plain, spec_run = paired["plain"], paired["spec"]
-    return {**{k: paired[k] for k in ("speedup", "speedup_repeats", "speedup_min", "speedup_max")},
-            "tokens_per_s": spec_run["tokens_per_s"], "plain_tokens_per_s": plain["tokens_per_s"],
-            "round_ms": spec_run["round_ms"], "plain_step_ms": plain["round_ms"],
-            "round_cost_plain_steps": spec_run["round_ms"] / plain["round_ms"]}
+    spec_run = paired["spec"]
+    return {**paired_fields(paired), "tokens_per_s": spec_run["tokens_per_s"], "round_ms": spec_run["round_ms"],
+            "round_cost_plain_steps": spec_run["round_ms"] / paired["plain"]["round_ms"]}
 
 
 def chosen_prompts(ids: list[list[int]], c: int) -> list[list[int]]:

@@ -95,6 +95,9 @@ def test_broken_inputs_are_one_line_errors_that_write_nothing(tool, pair, other_
     part.unlink()
     fails(tool, capsys, ["unpack", str(back), str(packed), "--target", target], "drafter.part001 is missing")
     fails(tool, capsys, ["unpack", str(back), str(tmp_path)], "no drafter_parts.json in")
+    tool.main(["pack", export, str(tmp_path / "other_pack"), "--part-mib", "0.05"])  # another pack's manifest
+    fails(tool, capsys, ["unpack", str(back), str(packed), str(tmp_path / "other_pack"), "--target", target],
+          "describe different packs")
     fails(tool, capsys, ["pack", str(tmp_path), str(tmp_path / "p2")], "not a drafter export")
     assert not back.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".back.")]
     back.mkdir()
