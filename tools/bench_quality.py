@@ -25,7 +25,7 @@ For one target and one or more drafter exports, on held-out prompt sets:
    times each row R more times as pairs with plain decoding through the same engine, alternating which goes
    first; the row's speedup is then the median pair's (``speedup_repeats``, ``speedup_min``, ``speedup_max``;
    ``speedup_unpaired``: the single run against step 1's plain timing). Use it for any speedup you quote.
-4. Rows to ``--out`` (JSON, atomic, rewritten after each drafter; device, args), each with at least ``drafter, train_tokens,
+4. Rows to ``--out`` (JSON, atomic, rewritten after every served row: a run cut short keeps them; device, args), each with at least ``drafter, train_tokens,
    prompt_set, mode, temperature, concurrency, simulated_acceptance, served_acceptance, speedup``,
    ``served_vs_simulated`` (served / simulated) and ``depth``, and the diagnostics below. A greedy
    chain row whose ratio is off 1 by more than 5% (the issue's target) is flagged.
@@ -191,7 +191,7 @@ def simulate_drafters(path: str, drafters: dict, responses: dict, tokenizer, arg
 
 def run(args, on_progress=None) -> dict:
     """Responses and plain decoding -> simulated -> served (module docstring); the JSON's content.
-    ``on_progress(partial)``, if given, gets the content so far after each drafter is served."""
+    ``on_progress(partial)``, if given, gets the content so far after each served row."""
     from torchspec.runtime.loading import load_engine, resolve_dtype
     from torchspec.runtime.prompts import render_prompts
     from torchspec.targets import load_tokenizer, resolve_target_path
@@ -247,10 +247,15 @@ def run(args, on_progress=None) -> dict:
                 "wall_s": time.perf_counter() - started, "args": vars(args)}
 
     for d in drafters.values():
-        rows += serve_drafter(d, decoder, tokenizer, responses, prompt_ids, simulated, plain, specs, modes, levels,
-                              max_context, args, replay_served)
-        if on_progress is not None:
-            on_progress(content())
+        earlier_rows = list(rows)
+
+        def on_row(drafter_rows: list[dict]) -> None:  # --out rewritten after every measured row
+            rows[:] = earlier_rows + drafter_rows
+            if on_progress is not None:
+                on_progress(content())
+
+        rows[:] = earlier_rows + serve_drafter(d, decoder, tokenizer, responses, prompt_ids, simulated, plain, specs,
+                                               modes, levels, max_context, args, replay_served, on_row)
     return content()
 
 

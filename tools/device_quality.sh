@@ -235,7 +235,7 @@ warm)
   # (the warm run's held-out curve against eagle3's final acceptance: the tokens the warm start needs)
   # DISTILL=N: then N distillation steps from EAGLE-3 on the fit batch (torchspec-convert --distill-steps; on the
   # CPU 16 steps took the conversion from 1.115 to 1.157 against EAGLE-3's 1.219: results.md, eleventh session);
-  # FIT_SAMPLES: fit conversations (64; a shard holds 256)
+  # DISTILL_LR: its --distill-lr; FIT_SAMPLES: fit conversations (64; a shard holds 256)
   if [ ! -f "$W/eagle4_init/config.json" ]; then
     last=$(ls "$W/eagle3/checkpoints" | grep step_ | sort | tail -1)
     python3 recipes/export.py "$W/eagle3" "$W/eagle3_warm_source" --step "$((10#${last#step_}))" --dtype float32 2>&1 | tail -1
@@ -243,7 +243,7 @@ warm)
     # from random tokens: on SmolLM2 (CPU, held out) the converted acc_0 rose from 0.097 to 0.115 (EAGLE-3: 0.189)
     python3 recipes/convert.py "$W/eagle3_warm_source" "$W/eagle4_init" --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
       --drafter-preset eagle4 --fit-data "$W/regen/shard_00000.jsonl" --fit-samples "${FIT_SAMPLES:-64}" \
-      ${DISTILL:+--distill-steps "$DISTILL"} 2>&1 \
+      ${DISTILL:+--distill-steps "$DISTILL"} ${DISTILL_LR:+--distill-lr "$DISTILL_LR"} 2>&1 \
       | tee "$RES/convert_report.txt" | tail -3
   fi
   train_all $(( $(left) - 10 ))

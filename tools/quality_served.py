@@ -88,8 +88,9 @@ def round_agreement(results, records: list[dict], per_example: list[torch.Tensor
 
 def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict, simulated: dict, plain: dict,
                   specs: dict, modes: list[str], levels: list[int], max_context: int, args,
-                  replay_served: Callable | None = None) -> list[dict]:
-    """One drafter served in every mode at every concurrency on every prompt set: its rows. A greedy chain
+                  replay_served: Callable | None = None, on_row: Callable | None = None) -> list[dict]:
+    """One drafter served in every mode at every concurrency on every prompt set: its rows, each passed to
+    ``on_row(rows so far)`` as soon as it is measured (a run cut short keeps it). A greedy chain
     row also gets ``replay_served(drafter, records, results)``'s numbers: the unroll walked over the text
     serving produced (``simulated_replay_served_text``, ``served_vs_replay_served_text``, ``diverged_responses``)."""
     from torchspec.export.serving import load_exported_drafter
@@ -141,6 +142,8 @@ def serve_drafter(d: dict, decoder, tokenizer, responses: dict, prompt_ids: dict
                 row["flag"] = greedy_chain and abs(row["served_vs_simulated"] - 1) > TOLERANCE
                 rows.append(row)
                 print(format_row(row), flush=True)
+                if on_row is not None:
+                    on_row(rows)
     return rows
 
 
@@ -161,6 +164,9 @@ def format_row(r: dict) -> str:
     if r.get("served_vs_replay_served_text") is not None:
         agree += (f"  on served text {r['served_vs_replay_served_text']:.2f} "
                   f"({r['diverged_responses']} responses diverged)")
+    if "speedup_repeats" in r:  # every pair's ratio in the log too: it is all a killed run leaves of them
+        agree += (f"  pairs {' '.join(f'x{x:.3f}' for x in r['speedup_repeats'])} (median x{r['speedup']:.3f}, "
+                  f"unpaired x{r['speedup_unpaired']:.2f})")
     return (f"{r['drafter']:<12} {r['prompt_set']:<10} {mode_label(r):<14} T={r['temperature']:<3} c={r['concurrency']:<3} "
             f"sim {r['simulated_acceptance']:5.2f}  served {r['served_acceptance']:5.2f}  ratio "
             f"{r['served_vs_simulated']:5.2f}  x{r['speedup']:.2f}{agree}{'  !! >5%' if r['flag'] else ''}")

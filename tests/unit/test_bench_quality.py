@@ -177,6 +177,33 @@ def test_each_drafters_rows_are_written_before_the_next_is_served(tool, pair, pr
     assert [r["drafter"] for r in written["rows"]] == ["first"] and written["rows"][0]["served_acceptance"] >= 1
 
 
+def test_each_row_is_written_before_the_next_is_measured(tool, pair, prompt_file, tmp_path, monkeypatch):
+    """A run killed inside a drafter (a call's time limit during a slow row) keeps every row it finished,
+    and the log line of a paired row names every pair's speedup (all a killed run leaves of them)."""
+    import quality_served
+
+    target, drafter = pair
+    out = tmp_path / "q.json"
+    real, served = quality_served.timed, []
+
+    def timed(engine, prompts, spec, *rest):
+        if spec is not None:  # a served row (plain runs pass no spec)
+            served.append(spec)
+            if len(served) == 2:
+                assert [r["mode"] for r in json.loads(out.read_text())["rows"]] == ["chain"]
+                raise RuntimeError("killed")
+        return real(engine, prompts, spec, *rest)
+
+    monkeypatch.setattr(quality_served, "timed", timed)
+    with pytest.raises(RuntimeError, match="killed"):
+        tool.main(["--device", "cpu", "--target", target, "--drafter", f"tiny={drafter}", "--prompt-set", prompt_file,
+                   "--out", str(out), "--modes", "chain,tree", "--concurrency", "1", "--depth", "3",
+                   "--max-new-tokens", "12", "--timing-repeats", "2"])
+    row = json.loads(out.read_text())["rows"][0]
+    line = quality_served.format_row(row)
+    assert all(f"x{x:.3f}" in line for x in row["speedup_repeats"]) and "median" in line
+
+
 def test_served_chain_is_what_the_engine_reports(chain_run, pair):
     row = chain_run["rows"][0]
     responses = [json.loads(line) for line in Path(chain_run["responses"]["path"]).read_text().splitlines()]
