@@ -1,0 +1,246 @@
+"""The draft controller's policy: how deep to draft and how many drafted nodes to verify, per batch.
+
+A greedy round drafts the dynamic tree of ``drafting.py``: depth 0 is the top-k of the root's draft
+distribution, each later depth expands the k-node frontier and keeps the best k of its k*k children.
+After drafting depths 0..d, every row holds a pool of nodes, each with its cumulative draft
+log-probability ``logp`` (the sum of its path's edge log-probabilities). The rows of a batch share one
+static shape (CUDA graphs), so every decision is made for the whole batch from sums over its rows.
+
+**Model.** The drafter's own confidence estimates acceptance: a node is accepted with probability
+``exp(logp)``. Verifying the best ``n`` nodes of each row by ``logp`` (a stable sort: ``logp`` never
+rises along a path, so the set is ancestor-closed) is expected to emit, over the batch's live rows,
+
+    tokens(n) = sum_rows (1 + sum of the row's n largest exp(logp))    (1: the target's bonus token)
+    cost(n)   = sum_{j <= d} depth_ms[j] + verify_ms[n]                (measured, ms)
+    rate(n)   = tokens(n) / cost(n)
+
+**Width.** ``n* = argmax rate(n)`` over ``n = 0 .. min(N_max, pool size)``, the smallest ``n`` on a
+tie; ``n = 0`` is a plain decode step. An untrained drafter (flat distributions) adds ~0 tokens per
+node while every node costs verify time, so it gets ``n* = 0``.
+
+**Go deeper.** One more depth would add children to the k frontier nodes. Their probabilities are
+predicted without running it: a frontier node with path log-probability ``c`` whose last edge had
+log-probability ``e`` is given one child of ``exp(c + e)``, i.e. the next edge is assumed as confident
+as the last (drafter confidence persists over runs of easy tokens). The estimate reads only tensors the
+round already holds on the GPU, never exceeds its parent (the predicted pool stays ancestor-closed) and
+ignores the other children (it errs towards stopping). The predicted round is scored like the real
+one: ``rate'`` = best ``tokens'(n) / (sum_{j <= d+1} depth_ms[j] + verify_ms[n])`` over the pool plus
+the predicted children, and the controller goes deeper iff ``rate' > rate(n*)``. With the marginal
+gain ``g = tokens'(n') - tokens(n*)`` and marginal cost ``m = depth_ms[d+1] + verify_ms[n'] -
+verify_ms[n*]`` this is the rule ``g / m > tokens(n*) / cost(n*)`` (mediant: ``(T + g) / (C + m) >
+T / C`` iff ``g / m > T / C`` for ``m > 0``), written so that ``m <= 0`` needs no special case. The last
+depth of the cost table never goes deeper (``go`` and ``stop`` both False: the cap ended drafting).
+
+**Sampled rounds** (T > 0) draft a depth fixed before their draws: ``next_sampled_depth`` of the go
+flags of the previous evaluation (the depth where the criterion stopped; one deeper if it never did),
+``INITIAL_SAMPLED_DEPTH`` before any. **High concurrency** drafts a chain whose depth comes from a
+measured ``{padded batch: depth}`` table (``chain_depth_for_batch``).
+
+**Exact decisions.** The tensor versions run as the on-GPU decision (no ``.item()``, static shapes);
+the ``reference_*`` versions are plain Python loops. They must decide identically, but fp32 sums
+depend on the reduction order. So probabilities become fixed point, ``floor(exp(logp) * PROB_ONE)``
+(``exp`` in float64), and costs integer nanoseconds, ``round(ms * 1e6)``: every sum is exact int64 in
+any order. Each rate is one IEEE float64 division of exact integers, the same number everywhere;
+equal rates go to the smaller width. The one op that may round differently is ``exp`` (1 float64 ulp):
+a probability's unit flips only within 2^-32 of a grid point, and flips a decision only at a near-tie.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+PROB_ONE = 1 << 20  # fixed-point units per expected token
+NS_PER_MS = 1_000_000
+INITIAL_SAMPLED_DEPTH = 1  # depth 0 alone; grows by one per round while the criterion keeps going
+
+
+class Decision(NamedTuple):
+    """The controller's output after a draft depth, as 0-d GPU tensors."""
+
+    width: torch.Tensor  # int64: nodes per row to verify if drafting ends here
+    stop: torch.Tensor  # bool: the criterion ends drafting (one more depth would lower tokens/ms)
+    go: torch.Tensor  # bool: draft another depth
+
+
+def check_costs(depth_ms: torch.Tensor, verify_ms: torch.Tensor) -> None:
+    """Once, when a cost table is loaded (it reads the values: never inside a round)."""
+    for name, ms in (("depth_ms", depth_ms), ("verify_ms", verify_ms)):
+        if ms.dim() != 1 or ms.numel() == 0:
+            raise ValueError(f"{name} has shape {tuple(ms.shape)}; pass a non-empty 1-D tensor of times in ms.")
+        if not bool(torch.isfinite(ms).all()) or bool((ms < 0).any()):
+            raise ValueError(f"{name}={ms.tolist()} holds negative or non-finite times; re-measure the cost table.")
+    if bool((verify_ms == 0).any()):
+        raise ValueError(f"verify_ms={verify_ms.tolist()} holds a zero time; a forward is never free, re-measure it.")
+
+
+def _check_shapes(pool_logp: torch.Tensor, depth: int, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
+                  row_valid: torch.Tensor | None) -> None:
+    """Static checks only (shapes and ints): free inside a captured round."""
+    if pool_logp.dim() != 2 or pool_logp.shape[1] == 0:
+        raise ValueError(f"pool_logp has shape {tuple(pool_logp.shape)}; pass [rows, pool nodes] with >= 1 node.")
+    if depth_ms.dim() != 1 or verify_ms.dim() != 1 or verify_ms.numel() == 0:
+        raise ValueError(f"depth_ms / verify_ms have shapes {tuple(depth_ms.shape)} / {tuple(verify_ms.shape)}; "
+                         f"pass 1-D cost rows (verify_ms[0] the plain decode step).")
+    if not 0 <= depth < depth_ms.shape[0]:
+        raise ValueError(f"depth={depth} is outside the cost table's depths 0..{depth_ms.shape[0] - 1}; "
+                         f"stop drafting at its last depth.")
+    if row_valid is not None and (row_valid.shape != pool_logp.shape[:1] or row_valid.dtype != torch.bool):
+        raise ValueError(f"row_valid has shape {tuple(row_valid.shape)} and dtype {row_valid.dtype}; "
+                         f"pass a bool tensor of shape [{pool_logp.shape[0]}] (one flag per row).")
+
+
+def _units(logp: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities -> probabilities in fixed point (int64, same shape)."""
+    return torch.floor(torch.exp(logp.double()) * PROB_ONE).long()
+
+
+def _ns(ms: torch.Tensor) -> torch.Tensor:
+    return torch.round(ms.double() * NS_PER_MS).long()
+
+
+def _tokens(units: torch.Tensor, max_width: int, row_valid: torch.Tensor) -> torch.Tensor:
+    """units [B, P] -> tokens(n) for n = 0 .. max_width, summed over live rows (fixed point) [W + 1]."""
+    ranked = torch.sort(units, dim=-1, descending=True).values[:, :max_width] * row_valid[:, None]  # [B, W]
+    per_width = torch.cumsum(ranked.sum(0), 0)  # [W]: exact in any order (integers)
+    bonus = row_valid.sum() * PROB_ONE  # every live row emits the target's token
+    return bonus + torch.cat([per_width.new_zeros(1), per_width])
+
+
+def _best(units: torch.Tensor, depth: int, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
+          row_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best width over the pool ``units`` [B, P] after drafting depths 0..depth, and its rate."""
+    max_width = min(verify_ms.shape[0] - 1, units.shape[1])
+    cost = _ns(depth_ms[: depth + 1]).sum() + _ns(verify_ms[: max_width + 1])  # [W + 1] ns
+    rate = _tokens(units, max_width, row_valid).double() / cost.double()  # [W + 1]
+    return torch.argmax(rate), rate.max()  # argmax: the first maximum, so ties go to the smaller width
+
+
+def expected_tokens(pool_logp: torch.Tensor, max_width: int, row_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """pool_logp [B, P] -> tokens(n) [min(max_width, P) + 1] int64 in units of 1 / PROB_ONE token."""
+    valid = torch.ones_like(pool_logp[:, 0], dtype=torch.bool) if row_valid is None else row_valid
+    return _tokens(_units(pool_logp), min(max_width, pool_logp.shape[1]), valid)
+
+
+def verify_width(pool_logp: torch.Tensor, depth: int, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
+                 row_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The width (0-d int64) maximising tokens / ms after drafting depths 0..depth of pool ``pool_logp`` [B, P]."""
+    _check_shapes(pool_logp, depth, depth_ms, verify_ms, row_valid)
+    valid = torch.ones_like(pool_logp[:, 0], dtype=torch.bool) if row_valid is None else row_valid
+    return _best(_units(pool_logp), depth, depth_ms, verify_ms, valid)[0]
+
+
+def decide_after_depth(pool_logp: torch.Tensor, frontier_logp: torch.Tensor, frontier_edge_logp: torch.Tensor,
+                       depth: int, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
+                       row_valid: torch.Tensor | None = None) -> Decision:
+    """The decision after drafting depths 0..depth.
+
+    pool_logp [B, P] every drafted node's cumulative log-probability; frontier_logp [B, F] those of the
+    nodes the next depth would expand, frontier_edge_logp [B, F] their last edge's log-probability;
+    depth_ms [D_max], verify_ms [N_max + 1] this batch's measured costs; row_valid [B] live rows."""
+    _check_shapes(pool_logp, depth, depth_ms, verify_ms, row_valid)
+    if frontier_logp.shape != frontier_edge_logp.shape or frontier_logp.shape[:1] != pool_logp.shape[:1]:
+        raise ValueError(f"frontier_logp {tuple(frontier_logp.shape)} and frontier_edge_logp "
+                         f"{tuple(frontier_edge_logp.shape)} must both be "
+                         f"[{pool_logp.shape[0]}, F] (one row per pool row).")
+    valid = torch.ones_like(pool_logp[:, 0], dtype=torch.bool) if row_valid is None else row_valid
+    units = _units(pool_logp)  # [B, P]
+    width, rate = _best(units, depth, depth_ms, verify_ms, valid)
+    if depth + 1 == depth_ms.shape[0]:  # static: the table's last depth
+        capped = torch.zeros((), dtype=torch.bool, device=pool_logp.device)
+        return Decision(width, capped, capped)
+    children = _units(frontier_logp.double() + frontier_edge_logp.double())  # [B, F] one predicted child each
+    _, deeper = _best(torch.cat([units, children], 1), depth + 1, depth_ms, verify_ms, valid)
+    stop = deeper <= rate
+    return Decision(width, stop, ~stop)
+
+
+def next_sampled_depth(go_flags: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """go_flags [L] the previous evaluation's go flags after depths 0..L-1 -> the depths (0-d int64) a
+    sampled round drafts: up to the first that stopped, or one more than L when none did, at most max_depth."""
+    if go_flags.dim() != 1 or go_flags.numel() == 0 or go_flags.dtype != torch.bool:
+        raise ValueError(f"go_flags has shape {tuple(go_flags.shape)} and dtype {go_flags.dtype}; "
+                         f"pass the 1-D bool go flags of depths 0..L-1.")
+    if max_depth < 1:
+        raise ValueError(f"max_depth={max_depth} must be >= 1 (depth 0 is always drafted).")
+    stopped = ~go_flags  # [L]
+    first = torch.argmax(stopped.long())  # the first stop (0 when none)
+    return torch.where(stopped.any(), first + 1, go_flags.shape[0] + 1).clamp(max=max_depth)
+
+
+def chain_depth_for_batch(table: dict[int, int], batch: int) -> int:
+    """The chain depth of the smallest table batch >= ``batch`` (the largest batch's beyond the table)."""
+    if not table:
+        raise ValueError("chain depth table is empty; measure it or pass at least one {padded batch: depth}.")
+    bad = {b: d for b, d in table.items() if not isinstance(b, int) or not isinstance(d, int) or b < 1 or d < 0}
+    if bad:
+        raise ValueError(f"chain depth table entries {bad} are invalid; use int batch >= 1 and int depth >= 0.")
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be >= 1 (the padded batch size of the round).")
+    fits = [b for b in table if b >= batch]
+    return table[min(fits) if fits else max(table)]
+
+
+# --- CPU reference: plain Python over floats and ints, written apart from the tensor code above ---
+
+def _ref_units(logp: float) -> int:
+    return int(math.floor(math.exp(logp) * PROB_ONE))
+
+
+def reference_expected_tokens(pool: list[list[float]], max_width: int, row_valid: list[bool]) -> list[int]:
+    width = min(max_width, len(pool[0]))
+    totals = [0] * (width + 1)
+    for row, live in zip(pool, row_valid):
+        if not live:
+            continue
+        probs = sorted((_ref_units(lp) for lp in row), reverse=True)
+        running = PROB_ONE
+        for n in range(width + 1):
+            totals[n] += running
+            if n < width:
+                running += probs[n]
+    return totals
+
+
+def _ref_best(tokens: list[int], depth: int, depth_ms: list[float], verify_ms: list[float]) -> tuple[int, float]:
+    drafted = sum(round(ms * NS_PER_MS) for ms in depth_ms[: depth + 1])
+    best, best_rate = 0, -1.0
+    for n, t in enumerate(tokens):
+        rate = t / (drafted + round(verify_ms[n] * NS_PER_MS))
+        if rate > best_rate:  # strict: a tie keeps the smaller width
+            best, best_rate = n, rate
+    return best, best_rate
+
+
+def reference_verify_width(pool: list[list[float]], depth: int, depth_ms: list[float], verify_ms: list[float],
+                           row_valid: list[bool]) -> int:
+    return _ref_best(reference_expected_tokens(pool, len(verify_ms) - 1, row_valid), depth, depth_ms, verify_ms)[0]
+
+
+def reference_decide_after_depth(pool: list[list[float]], frontier: list[list[float]],
+                                 frontier_edge: list[list[float]], depth: int, depth_ms: list[float],
+                                 verify_ms: list[float], row_valid: list[bool]) -> tuple[int, bool, bool]:
+    """(width, stop, go), as ``decide_after_depth``."""
+    tokens = reference_expected_tokens(pool, len(verify_ms) - 1, row_valid)
+    width, rate = _ref_best(tokens, depth, depth_ms, verify_ms)
+    if depth + 1 == len(depth_ms):
+        return width, False, False
+    grown = [row + [c + e for c, e in zip(cs, es)] for row, cs, es in zip(pool, frontier, frontier_edge)]
+    deeper = _ref_best(reference_expected_tokens(grown, len(verify_ms) - 1, row_valid), depth + 1, depth_ms,
+                       verify_ms)[1]
+    go = deeper > rate
+    return width, not go, go
+
+
+def reference_next_sampled_depth(go_flags: list[bool], max_depth: int) -> int:
+    for d, go in enumerate(go_flags):
+        if not go:
+            return min(d + 1, max_depth)
+    return min(len(go_flags) + 1, max_depth)
+
+
+__all__ = ["PROB_ONE", "INITIAL_SAMPLED_DEPTH", "Decision", "check_costs", "expected_tokens", "verify_width",
+           "decide_after_depth", "next_sampled_depth", "chain_depth_for_batch", "reference_expected_tokens",
+           "reference_verify_width", "reference_decide_after_depth", "reference_next_sampled_depth"]
