@@ -39,25 +39,11 @@ sys.path.insert(0, str(REPO / "tools"))
 
 
 def graph_ms(fn, replays: int = 50) -> tuple[float, torch.cuda.CUDAGraph]:
-    """(Median replay time of ``fn`` captured in a CUDA graph (after 3 eager warm-ups), the graph).
-    The GPU is idle when each replay is launched, as between an engine's rounds (the host syncs on
-    every round's counts), so the time includes whatever the launch makes the GPU wait for."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph(keep_graph=True)  # keep the cudaGraph_t: `graph_nodes` reads it
-    with torch.cuda.graph(graph):
-        fn()
-    graph.instantiate()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2], graph
+    """(Median replay time of ``fn`` captured in a CUDA graph, the graph with its cudaGraph_t kept:
+    ``graph_nodes`` reads it); the profiler's own timing (``torchspec.runtime.cost_profile``)."""
+    from torchspec.runtime.cost_profile import graph_replay
+
+    return graph_replay(fn, replays, keep_graph=True)
 
 
 def device_ms(graph: torch.cuda.CUDAGraph, replays: int = 50, sleep_us: float = 2000.0) -> float:

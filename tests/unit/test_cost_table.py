@@ -1,0 +1,171 @@
+"""The measured cost table (torchspec/runtime/cost_table.py) and ``torchspec-profile`` on CPU.
+
+The CLI profiles the tiny target/drafter pair of ``tests/runtime_pair.py`` on a small grid and must
+write a complete table keyed like the engine the runtime would load; a table of another setup is
+refused naming both keys; the lookups round batches up, interpolate nodes and contexts, clamp
+contexts; bad input exits 2 leaving an existing table as it was; profiling leaves an engine as it
+found it. (CPU times mean nothing: only their presence and shape are checked.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes.profile import main as profile_main
+from tests.runtime_pair import build_pair
+from torchspec.runtime.cost_profile import profile_costs
+from torchspec.runtime.cost_table import TABLE_VERSION, CostKey, CostTable, cost_key, drafter_identity
+from torchspec.runtime.loading import load_engine
+
+GRID = {"--batches": "2,1", "--widths": "1,2", "--nodes": "0,1,3", "--contexts": "8,24", "--repeats": "2"}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("cost_pair"), num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def profiled(pair, tmp_path_factory):
+    """The CLI run once over an existing output file: (table path, plot path)."""
+    out_dir = tmp_path_factory.mktemp("costs")
+    out, png = out_dir / "costs.json", out_dir / "costs.png"
+    out.write_text("an older table")
+    argv = ["--target", pair[0], "--drafter", pair[1], "--out", str(out), "--plot", str(png)]
+    profile_main(argv + [x for kv in GRID.items() for x in kv])
+    return out, png
+
+
+def cli_args(pair, out, **changes) -> list[str]:
+    args = {"--target": pair[0], "--drafter": pair[1], "--out": str(out), **GRID, **changes}
+    return [x for kv in args.items() for x in kv]
+
+
+def test_cli_writes_a_complete_table(profiled):
+    out, png = profiled
+    data = json.loads(out.read_text())  # replaced: the older content is gone
+    assert data["version"] == TABLE_VERSION
+    assert set(data) == {"version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "meta"}
+    assert set(data["key"]) == {"device", "tp", "target", "drafter", "dtype"}
+    assert data["key"]["device"] == "cpu" and data["key"]["tp"] == 1 and data["key"]["dtype"] == "float32"
+    assert (data["batches"], data["widths"], data["nodes"], data["contexts"]) == ([1, 2], [1, 2], [0, 1, 3], [8, 24])
+    table = CostTable.load(out, None)
+    assert list(table.depth.shape) == [2, 2, 2] and list(table.verify.shape) == [2, 2, 3]
+    assert (table.depth > 0).all() and (table.verify > 0).all()
+    assert table.meta["repeats"] == 2 and "wall-clock" in table.meta["timing"]
+    assert table.depth_ms(2, 16).shape == (2,) and table.verify_ms(1, 8).shape == (4,)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["costs.json", "costs.png"]  # no temporary left
+
+
+def test_table_key_is_the_loaded_engines_and_a_mismatch_is_refused(profiled, pair):
+    engine = load_engine(pair[0], pair[1], device="cpu", dtype="float32", max_batch=1, max_context=32)
+    key = cost_key(engine.decoder, engine.runner)
+    assert CostTable.load(profiled[0], key).key == key
+    export_config = json.loads((Path(pair[1]) / "config.json").read_text())
+    assert key.drafter == drafter_identity(type(engine.runner.config)(**{
+        k: v for k, v in export_config.items() if k in engine.runner.config.ARCH_FIELDS}))
+    other = dataclasses.replace(key, device="NVIDIA H200", dtype="bfloat16")
+    with pytest.raises(ValueError) as err:
+        CostTable.load(profiled[0], other)
+    message = str(err.value)
+    assert "\n" not in message and "torchspec-profile" in message and "differ: device, dtype" in message
+    for k in (key, other):  # both keys, field by field
+        assert k.describe() in message
+
+
+def hand_table() -> CostTable:
+    """depth = ctx/100 + batch + width/10; verify = ctx/100 + batch + node (exactly linear in each)."""
+    contexts, batches, widths, nodes = [100, 300], [1, 4, 8], [1, 2], [0, 2, 6]
+    depth = [[[c / 100 + b + w / 10 for w in widths] for b in batches] for c in contexts]
+    verify = [[[c / 100 + b + n for n in nodes] for b in batches] for c in contexts]
+    key = CostKey(device="cpu", tp=1, target="t", drafter="d", dtype="float32")
+    return CostTable(key=key, widths=widths, nodes=nodes, batches=batches, contexts=contexts, depth=depth,
+                     verify=verify, meta={"timing": "by hand"})
+
+
+def test_lookups_round_batches_up_interpolate_and_clamp_contexts():
+    table = hand_table()
+    close = dict(rtol=0, atol=1e-5)
+    torch.testing.assert_close(table.depth_ms(3, 200), torch.tensor([2 + 4 + 0.1, 2 + 4 + 0.2]), **close)  # b 3 -> 4
+    torch.testing.assert_close(table.depth_ms(4, 100), torch.tensor([1 + 4 + 0.1, 1 + 4 + 0.2]), **close)
+    torch.testing.assert_close(table.depth_ms(1, 10), table.depth_ms(1, 100), **close)  # below: the first bucket
+    torch.testing.assert_close(table.depth_ms(8, 5000), table.depth_ms(8, 300), **close)  # above: the last bucket
+    verify = table.verify_ms(5, 250)  # b 5 -> 8, ctx 250 -> 2.5
+    assert verify.dtype == torch.float32 and verify.shape == (7,)  # node counts 0..6
+    torch.testing.assert_close(verify, torch.tensor([2.5 + 8 + n for n in range(7)]), **close)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=r"batch=\d+ is outside .*\[1, 4, 8\].*--batches"):
+            table.depth_ms(bad, 100)
+    with pytest.raises(ValueError, match="ctx=-1"):
+        table.verify_ms(1, -1)
+
+
+def test_table_round_trips_and_bad_tables_are_refused(tmp_path):
+    table = hand_table()
+    table.save(tmp_path / "t.json")
+    again = CostTable.load(tmp_path / "t.json", table.key)
+    torch.testing.assert_close(again.depth, table.depth, rtol=1e-3, atol=0)  # 4 significant digits
+    assert (again.widths, again.nodes, again.batches, again.contexts) == (table.widths, table.nodes, table.batches,
+                                                                          table.contexts)
+    good = table.to_dict()
+    cases = {"version": ({**good, "version": 2}, "version 2"),
+             "unknown key": ({**good, "extra": 1}, "unknown \\['extra'\\]"),
+             "missing field": ({**good, "key": {k: v for k, v in good["key"].items() if k != "tp"}}, "missing \\['tp'\\]"),
+             "shape": ({**good, "verify_ms": [r[:1] for r in good["verify_ms"]]}, "verify_ms has shape"),
+             "time": ({**good, "depth_ms": [[[0.0] * 2] * 3] * 2}, "not a positive number"),
+             "nodes": ({**good, "nodes": [1, 2, 6]}, "must start at 0"),
+             "order": ({**good, "batches": [4, 1, 8]}, "strictly ascending")}
+    for data, pattern in cases.values():
+        with pytest.raises(ValueError, match=pattern):
+            CostTable.from_dict(data)
+
+
+@pytest.mark.parametrize("change, flag", [
+    ({"--batches": "1,x"}, "--batches"), ({"--widths": "0,2"}, "--widths"), ({"--nodes": "1,2"}, "--nodes"),
+    ({"--contexts": "8,8"}, "--contexts"), ({"--repeats": "0"}, "--repeats"), ({"--tp": "2"}, "--tp"),
+    ({"--target": "/no/such/target"}, "--target"), ({"--drafter": "/no/such/export"}, "--drafter"),
+    ({"--dtype": "float16"}, "--dtype"), ({"--out": "DIR"}, "--out")])
+def test_bad_cli_input_exits_2_and_writes_nothing(pair, tmp_path, capsys, change, flag):
+    out = tmp_path / "costs.json"
+    out.write_text("an older table")
+    change = {k: str(tmp_path) if v == "DIR" else v for k, v in change.items()}
+    with pytest.raises(SystemExit) as err:
+        profile_main(cli_args(pair, out, **change))
+    assert err.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("torchspec-profile: error:") and "\n" not in line and flag in line, line
+    assert out.read_text() == "an older table" and sorted(p.name for p in tmp_path.iterdir()) == ["costs.json"]
+
+
+def test_failed_profile_keeps_the_older_table(pair, tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("the device fell over mid-profile")
+
+    monkeypatch.setattr("torchspec.runtime.cost_profile.verify_fn", fail)
+    out = tmp_path / "costs.json"
+    out.write_text("an older table")
+    with pytest.raises(RuntimeError, match="fell over"):
+        profile_main(cli_args(pair, out))
+    assert out.read_text() == "an older table" and sorted(p.name for p in tmp_path.iterdir()) == ["costs.json"]
+
+
+def test_profiling_leaves_the_engine_as_it_found_it(pair):
+    engine = load_engine(pair[0], pair[1], device="cpu", dtype="float32", max_batch=2, max_context=48, page_size=4)
+    prompts = [[5, 9, 14, 3], [7, 7, 2]]
+    from torchspec.runtime.drafting import SpecConfig
+
+    spec = SpecConfig(depth=3, topk=2, num_nodes=4)
+    before = [r.token_ids for r in engine.generate(prompts, max_new_tokens=8, spec=spec)]
+    free = engine.free_pages
+    table = profile_costs(engine, batches=[2], contexts=[20], widths=[2], nodes=[0, 4], repeats=1)
+    assert table.key == cost_key(engine.decoder, engine.runner)
+    assert engine.free_pages == free and (engine.block_table == 0).all()
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=8, spec=spec)] == before
+    with pytest.raises(ValueError, match="max_batch and max_context"):
+        profile_costs(engine, batches=[4], contexts=[20], widths=[2], nodes=[0], repeats=1)

@@ -1,0 +1,194 @@
+"""Measure a ``CostTable`` on this device by timing the runtime's own building blocks.
+
+For every context bucket and padded batch size b, on an idle engine whose rows are given pages for
+``ctx`` committed tokens plus a round:
+
+* **one draft depth** at frontier width w: the drafter forward over w frontier nodes a row (the
+  depth's ancestor mask, paged attention over the committed prefix and the draft ancestors), the
+  top-w children of each node with their log-probabilities, and the frontier expansion keeping the
+  w best of the w * w -- the code of a dynamic tree's depth (``drafting._DraftWriter``,
+  ``drafting._top``, ``tree_select.expand_frontier``). Width 1 is a chain depth with scores (the
+  controller needs the drafter's confidence, which the scoreless greedy chain does not compute).
+* **the verify forward** over n drafted nodes a row: the target forward over root + n nodes with
+  the tree's attention mask and the drafter's aux layers captured, and the argmax at every node (as
+  ``steps.speculate`` runs it); n = 0 is ``steps.plain_step``. The nodes form a chain: for an
+  attention target the cost depends on the node count, not the shape; for a hybrid target, whose
+  recurrence steps once per depth, a chain is the dearest shape.
+
+On CUDA each measured function is captured in a CUDA graph (after three eager warm-ups, which also
+compile the fused regions) and the time is the median of R replays bracketed by CUDA events, each
+launched on an idle GPU as an engine's rounds are. Elsewhere it is the median of R wall-clock runs
+after two warm-ups: enough to exercise the profiler in CPU tests, meaningless as costs.
+
+Under tensor parallelism every rank runs the same measurements (the target's collectives pair up);
+the table is rank 0's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import torch
+
+from torchspec.runtime.cost_table import CostTable, cost_key
+from torchspec.runtime.drafting import DraftInputs, _DraftWriter, _top
+from torchspec.runtime.paged_kv import TRASH_PAGE, build_attention_meta
+from torchspec.runtime.sampling import SamplingParams
+from torchspec.runtime.steps import plain_step, target_attend
+from torchspec.runtime.tree import chain_tree
+from torchspec.runtime.tree_select import expand_frontier, with_ancestors
+
+GREEDY = SamplingParams()
+
+
+def graph_replay(fn: Callable[[], object], replays: int, keep_graph: bool = False
+                 ) -> tuple[float, torch.cuda.CUDAGraph]:
+    """(Median replay time (ms) of ``fn`` captured in a CUDA graph after 3 eager warm-ups, the graph;
+    ``keep_graph`` keeps its cudaGraph_t for node counting, ``tools/profile_round.py``). The GPU is idle
+    when each replay is launched, as between an engine's rounds (the host syncs on every round's
+    counts), so the time includes whatever the launch makes the GPU wait for."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
+    with torch.cuda.graph(graph):
+        fn()
+    if keep_graph:
+        graph.instantiate()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), graph
+
+
+def graph_ms(fn: Callable[[], object], replays: int) -> float:
+    """``graph_replay``'s time alone (the graph is freed)."""
+    return graph_replay(fn, replays)[0]
+
+
+def wall_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall-clock time (ms) of ``fn`` over ``repeats`` runs after 2 warm-ups (CPU)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def profile_rows_needed(contexts: list[int], widths: list[int], nodes: list[int]) -> int:
+    """Tokens a row must hold: the largest context plus the largest round measured at it."""
+    return max(contexts) + max(2 * max(widths), max(nodes) + 1)
+
+
+class _Rows:
+    """``b`` live-looking rows of ``ctx`` committed tokens over the engine's block table."""
+
+    def __init__(self, engine, b: int, ctx: int, extra: int):
+        dev = engine.device
+        self.b, self.ctx = b, ctx
+        self.ctx_len = torch.full((b,), ctx, dtype=torch.long, device=dev)
+        self.valid = torch.ones(b, dtype=torch.bool, device=dev)
+        self.block_table = engine.block_table[:b, :engine.table_columns_for(ctx + extra)]  # the columns a round reads
+        self.tokens = torch.randint(0, engine.decoder.vocab_size, (b, max(extra, 1)), device=dev)
+
+
+def depth_fn(engine, b: int, ctx: int, w: int) -> Callable[[], object]:
+    """One draft depth at frontier width ``w`` (module docstring): the second depth of a dynamic tree
+    of top-w children, its frontier's parents the first depth's w nodes."""
+    runner = engine.runner
+    rows = _Rows(engine, b, ctx, 2 * w)
+    inp = DraftInputs(root=rows.tokens[:, 0], normed=engine.normed[:b], feedback=engine.feedback[:b],
+                      ctx_len=rows.ctx_len, block_table=rows.block_table, row_valid=rows.valid)
+    writer = _DraftWriter(runner, engine.caches.drafter, inp, 2 * w, 3)
+    first = with_ancestors(writer.anc, None, 0, w)  # the first depth's nodes: draft slots 0 .. w - 1
+    tokens = rows.tokens[:, :w]
+    hidden = engine.feedback[:b, None].expand(b, w, -1).contiguous()  # [B, W, H]
+    parent_rows = torch.arange(w, device=engine.device).expand(b, w)
+    front_sc = -torch.arange(w, dtype=torch.float32, device=engine.device).expand(b, w)  # [B, W] descending
+    front_idx = parent_rows
+
+    def depth():
+        writer.anc, writer.written = first, w  # every call drafts the same depth (a replay re-runs it anyway)
+        normed, feedback = writer.run(tokens, hidden, parent_rows, 2)
+        child_sc, child_tok = _top(runner, normed, w, GREEDY)  # [B, W, W]
+        return expand_frontier(front_sc, child_sc, child_tok, front_idx, feedback, w, False)
+
+    return depth
+
+
+def verify_fn(engine, b: int, ctx: int, n: int) -> Callable[[], object]:
+    """The verify forward over ``n`` drafted nodes a row (a chain), or a plain step for n = 0."""
+    decoder, caches = engine.decoder, engine.caches
+    rows = _Rows(engine, b, ctx, n + 1)
+    if n == 0:
+        return lambda: plain_step(decoder, caches, rows.block_table, rows.ctx_len, rows.tokens[:, 0], rows.valid,
+                                  GREEDY, None)
+    tree = chain_tree(rows.tokens[:, :n + 1])
+    aux_ids = tuple(engine.runner.config.aux_layer_ids)
+    levels = (1,) * (n + 1)
+
+    def verify():
+        meta = build_attention_meta(rows.block_table, rows.ctx_len, tree.attention_mask(n), caches.page_size,
+                                    row_valid=rows.valid)
+        attend = target_attend(caches, meta, None, rows.valid, parents=tree.parents, depths=tree.depths,
+                               level_widths=levels)
+        out = decoder(tree.tokens, rows.ctx_len[:, None] + tree.depths, attend, capture_layers=aux_ids)
+        return decoder.argmax(out.hidden), out.aux
+
+    return verify
+
+
+@torch.no_grad()
+def profile_costs(engine, *, batches: list[int], contexts: list[int], widths: list[int], nodes: list[int],
+                  repeats: int, log: Callable[[str], None] | None = None) -> CostTable:
+    """Measure the table of ``engine``'s setup (module docstring). The engine must be idle, hold a
+    drafter, and fit ``max(batches)`` rows of ``profile_rows_needed(...)`` tokens; its pages are
+    lent to the measured rows and given back at the end."""
+    if engine.runner is None:
+        raise ValueError("profiling costs needs a drafter: load the engine with one.")
+    if engine.has_work:
+        raise ValueError("profiling costs needs an idle engine: finish or cancel its requests first.")
+    need = profile_rows_needed(contexts, widths, nodes)
+    if max(batches) > engine.max_batch or need > engine.max_context:
+        raise ValueError(f"the engine holds {engine.max_batch} rows of {engine.max_context} tokens; profiling needs "
+                         f"{max(batches)} rows of {need}: build it with max_batch and max_context at least that.")
+    on_gpu = engine.device.type == "cuda"
+    timer = graph_ms if on_gpu else wall_ms
+    lent = [engine.allocator.alloc(engine.pages_per_row) for _ in range(max(batches))]
+    for i, pages in enumerate(lent):
+        engine.block_table[i] = torch.tensor(pages, device=engine.device)
+    depth = torch.zeros(len(contexts), len(batches), len(widths), dtype=torch.float64)
+    verify = torch.zeros(len(contexts), len(batches), len(nodes), dtype=torch.float64)
+    try:
+        for c, ctx in enumerate(contexts):
+            for i, b in enumerate(batches):
+                for j, w in enumerate(widths):
+                    depth[c, i, j] = timer(depth_fn(engine, b, ctx, w), repeats)
+                for j, n in enumerate(nodes):
+                    verify[c, i, j] = timer(verify_fn(engine, b, ctx, n), repeats)
+                if log is not None:
+                    log(f"ctx {ctx:>6}  b {b:>3}  depth ms " + " ".join(f"{t:.3f}" for t in depth[c, i].tolist())
+                        + "  verify ms " + " ".join(f"{t:.3f}" for t in verify[c, i].tolist()))
+    finally:
+        engine.block_table[: len(lent)] = TRASH_PAGE
+        for pages in lent:
+            engine.allocator.free(pages)
+    meta = {"timing": "cuda-graph" if on_gpu else "wall-clock (CPU: not a cost)", "repeats": repeats,
+            "page_size": engine.page_size, "torch": torch.__version__,
+            "created": datetime.now(UTC).isoformat(timespec="seconds")}
+    return CostTable(key=cost_key(engine.decoder, engine.runner), widths=list(widths), nodes=list(nodes),
+                     batches=list(batches), contexts=list(contexts), depth=depth, verify=verify, meta=meta)
+
+
+__all__ = ["depth_fn", "graph_ms", "graph_replay", "profile_costs", "profile_rows_needed", "verify_fn", "wall_ms"]

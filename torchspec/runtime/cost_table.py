@@ -1,0 +1,256 @@
+"""The measured cost table of one serving setup: what a draft depth and a verify forward cost, in ms.
+
+The draft controller weighs the gain of one more draft depth, and of verifying more nodes, against
+what they cost on THIS hardware. ``torchspec-profile`` (``recipes/profile.py``, measuring with
+``cost_profile.py``) writes the table once per setup; the runtime loads it with the key of the
+setup it serves and refuses a table measured for another one.
+
+**Key** (``CostKey``): the device name (``torch.cuda.get_device_name``, or ``"cpu"``), the TP
+degree, the target's weights fingerprint (``export.serving.weights_fingerprint``, the one a drafter
+export is checked against), the drafter's identity (``drafter_identity``: its model type and a hash
+of its architecture flags -- a retrained drafter of the same architecture costs the same, so it
+keeps its table) and the serving dtype.
+
+**Layout** (JSON, ``"version": 1``; times in ms, each the median of ``meta.repeats`` runs)::
+
+    {"version": 1,
+     "key": {"device": "NVIDIA H200", "tp": 1, "target": "9c1d5e0a7b3f2e11",
+             "drafter": "torchspec_eagle4:5a0c81d2e4f6a7b9", "dtype": "bfloat16"},
+     "widths": [1, 2, 4, 8],                     frontier nodes a row of one draft depth
+     "nodes": [0, 1, 2, 4, 8, 16, 32, 48, 64],   drafted nodes a row verified (0 = a plain step)
+     "batches": [1, 8, 64],                      padded batch sizes
+     "contexts": [512, 2048, 8192],              committed tokens a row
+     "depth_ms":  [context][batch][width],
+     "verify_ms": [context][batch][node],
+     "meta": {"timing": "cuda-graph", "repeats": 20, ...}}
+
+**Lookups** for a round at (batch, ctx): ``depth_ms`` -> [len(widths)], ``verify_ms`` ->
+[N_max + 1] indexed by node count 0..N_max. A batch is rounded UP to the next measured padded batch
+(a larger one is a ValueError); between context buckets and between measured node counts the times
+are interpolated linearly; a context outside the measured buckets is CLAMPED to the nearest one (a
+longer context than the last bucket reads as the last bucket: re-profile with a larger bucket for
+long-context serving).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from torchspec.io import atomic_write_bytes, atomic_write_text
+
+TABLE_VERSION = 1
+TABLE_KEYS = ("version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "meta")
+
+
+@dataclass(frozen=True)
+class CostKey:
+    """The setup a table was measured on; a table serves only an equal key."""
+
+    device: str  # torch.cuda.get_device_name(), or "cpu"
+    tp: int
+    target: str  # the target's weights fingerprint
+    drafter: str  # drafter_identity(config)
+    dtype: str  # "bfloat16", "float32", ...
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def drafter_identity(config) -> str:
+    """``model_type:hash`` of a drafter config's architecture flags (``ARCH_FIELDS``): equal for the
+    export's config.json and the loaded drafter, unchanged by further training."""
+    flags = {name: getattr(config, name) for name in sorted(config.ARCH_FIELDS)}
+    digest = hashlib.sha256(json.dumps(flags, sort_keys=True, default=str).encode()).hexdigest()
+    return f"{config.model_type}:{digest[:16]}"
+
+
+def cost_key(decoder, runner) -> CostKey:
+    """The key of a serving setup: a ``TargetDecoder`` and the ``DrafterRunner`` drafting for it."""
+    from torchspec.runtime.loading import decoder_identity
+
+    weight = decoder.embed_tokens_weight
+    return CostKey(device=device_name(weight.device), tp=int(decoder.tp_size),
+                   target=decoder_identity(decoder)["fingerprint"], drafter=drafter_identity(runner.config),
+                   dtype=str(weight.dtype).removeprefix("torch."))
+
+
+@dataclass
+class CostTable:
+    """The measured times of one setup (layout and lookup rules: module docstring); validated on
+    construction, so a loaded table is complete."""
+
+    key: CostKey
+    widths: list[int]  # ascending, >= 1
+    nodes: list[int]  # ascending, from 0 (a plain step)
+    batches: list[int]  # ascending padded batch sizes
+    contexts: list[int]  # ascending context buckets
+    depth: torch.Tensor  # [C, B, W] ms, float64
+    verify: torch.Tensor  # [C, B, N] ms, float64
+    meta: dict
+
+    def __post_init__(self) -> None:
+        for name, low in (("widths", 1), ("nodes", 0), ("batches", 1), ("contexts", 1)):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < low for v in values) or values != sorted(set(values)):
+                raise ValueError(f"cost table {name}={values} must be strictly ascending ints >= {low}.")
+        if self.nodes[0] != 0:
+            raise ValueError(f"cost table nodes={self.nodes} must start at 0 (the plain step).")
+        self.depth = torch.as_tensor(self.depth, dtype=torch.float64)
+        self.verify = torch.as_tensor(self.verify, dtype=torch.float64)
+        for name, axis, times in (("depth_ms", "widths", self.depth), ("verify_ms", "nodes", self.verify)):
+            shape = [len(self.contexts), len(self.batches), len(getattr(self, axis))]
+            if list(times.shape) != shape:
+                raise ValueError(f"cost table {name} has shape {list(times.shape)}; [contexts, batches, {axis}] "
+                                 f"is {shape}.")
+            if not bool(torch.isfinite(times).all() and (times > 0).all()):
+                raise ValueError(f"cost table {name} holds a time that is not a positive number.")
+
+    # --- lookups --------------------------------------------------------------------------------
+
+    def depth_ms(self, batch: int, ctx: int) -> torch.Tensor:
+        """[len(widths)] fp32 ms of one draft depth at each frontier width, for ``batch`` rows of
+        ``ctx`` committed tokens (rules: module docstring)."""
+        return _lerp(self.contexts, self.depth[:, self._batch_index(batch)], [self._context(ctx)])[0].float()
+
+    def verify_ms(self, batch: int, ctx: int) -> torch.Tensor:
+        """[N_max + 1] fp32 ms of the verify forward over n = 0..N_max drafted nodes a row (n = 0:
+        a plain decode step), interpolated between the measured node counts."""
+        at_ctx = _lerp(self.contexts, self.verify[:, self._batch_index(batch)], [self._context(ctx)])[0]  # [N]
+        return _lerp(self.nodes, at_ctx, range(self.nodes[-1] + 1)).float()
+
+    def _batch_index(self, batch: int) -> int:
+        """The first measured padded batch >= ``batch``."""
+        if batch < 1 or batch > self.batches[-1]:
+            raise ValueError(f"batch={batch} is outside the cost table's padded batches {self.batches}; "
+                             f"re-run torchspec-profile with --batches covering it.")
+        return next(i for i, b in enumerate(self.batches) if b >= batch)
+
+    def _context(self, ctx: int) -> float:
+        if ctx < 0:
+            raise ValueError(f"ctx={ctx} committed tokens must be >= 0.")
+        return float(min(max(ctx, self.contexts[0]), self.contexts[-1]))  # clamped (module docstring)
+
+    # --- files ----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {"version": TABLE_VERSION, "key": asdict(self.key), "widths": self.widths, "nodes": self.nodes,
+                "batches": self.batches, "contexts": self.contexts, "depth_ms": _rounded(self.depth),
+                "verify_ms": _rounded(self.verify), "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "cost table") -> CostTable:
+        """A table from its JSON object; a wrong version, a missing or unknown key, or a bad shape
+        is a ValueError naming ``source`` and the field."""
+        if not isinstance(data, dict) or data.get("version") != TABLE_VERSION:
+            got = data.get("version") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{source}: version {got!r}, this torchspec reads version {TABLE_VERSION}; "
+                             f"re-run torchspec-profile to measure it again.")
+        for what, keys, want in (("keys", set(data), TABLE_KEYS),
+                                 ("key fields", set(data.get("key") or {}), [f.name for f in fields(CostKey)])):
+            if keys != set(want):
+                raise ValueError(f"{source}: {what} {sorted(keys)} differ from {sorted(want)} (missing "
+                                 f"{sorted(set(want) - keys)}, unknown {sorted(keys - set(want))}).")
+        try:
+            return cls(key=CostKey(**data["key"]), widths=data["widths"], nodes=data["nodes"],
+                       batches=data["batches"], contexts=data["contexts"], depth=data["depth_ms"],
+                       verify=data["verify_ms"], meta=dict(data["meta"]))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{source}: {' '.join(str(err).split())}") from err
+
+    @classmethod
+    def load(cls, path: str | Path, expected_key: CostKey | None) -> CostTable:
+        """Read a table; refuse it unless its key equals ``expected_key`` (None: no check, for
+        inspecting or plotting a table)."""
+        from torchspec.cli import read_json
+
+        table = cls.from_dict(read_json(path, "re-run torchspec-profile to write it."), source=f"cost table {path}")
+        if expected_key is not None and table.key != expected_key:
+            differ = [f.name for f in fields(CostKey) if getattr(table.key, f.name) != getattr(expected_key, f.name)]
+            raise ValueError(
+                f"cost table {path} was measured for {table.key.describe()} but this setup is "
+                f"{expected_key.describe()} (differ: {', '.join(differ)}); re-profile this setup: torchspec-profile "
+                f"--target TARGET --drafter DRAFTER --tp {expected_key.tp} --dtype {expected_key.dtype} --out {path} "
+                f"on this machine.")
+        return table
+
+    def save(self, path: str | Path) -> None:
+        """Write the table atomically (an existing file is replaced only by a complete new one)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, _compact_json(self.to_dict()) + "\n")
+
+
+def _lerp(xs: list[int], ys: torch.Tensor, at) -> torch.Tensor:
+    """ys [len(xs), ...] piecewise-linear at the points ``at`` (each in [xs[0], xs[-1]]) -> [len(at), ...]."""
+    at = torch.as_tensor(list(at), dtype=torch.float64)
+    if len(xs) == 1:
+        return ys[0].expand(len(at), *ys.shape[1:])
+    grid = torch.tensor(xs, dtype=torch.float64)
+    i = (torch.searchsorted(grid, at, right=True) - 1).clamp(0, len(xs) - 2)  # the segment of each point
+    t = ((at - grid[i]) / (grid[i + 1] - grid[i])).view(-1, *[1] * (ys.dim() - 1))
+    return ys[i] + t * (ys[i + 1] - ys[i])
+
+
+def _rounded(times: torch.Tensor) -> list:
+    """Nested lists of 4 significant digits: a tenth of a microsecond for the fastest GPU depth."""
+    return [[[float(f"{v:.4g}") for v in row] for row in batch] for batch in times.tolist()]
+
+
+def _compact_json(data: dict) -> str:
+    """Indented JSON with every innermost list of numbers on one line (a row of times reads across)."""
+    text = json.dumps(data, indent=1)
+    return re.sub(r"\[[-\d.,\seE+]*\]", lambda m: re.sub(r"\s+", " ", m.group(0)).replace("[ ", "[").replace(" ]", "]"),
+                  text)
+
+
+def plot_costs(table: CostTable, path: str | Path) -> None:
+    """A PNG of the table: one draft depth against frontier width, the verify forward against the
+    verified node count; a colour per padded batch, a line style per context bucket (log-scale ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, (ax_depth, ax_verify) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = ["-", "--", ":", "-."]
+    colours = plt.get_cmap("viridis")
+    for c, ctx in enumerate(table.contexts):
+        for b, batch in enumerate(table.batches):
+            colour = colours(b / max(1, len(table.batches) - 1))
+            label = f"b={batch} ctx={ctx}"
+            style = styles[c % len(styles)]
+            ax_depth.plot(table.widths, table.depth[c, b].tolist(), style, marker="o", color=colour, label=label)
+            ax_verify.plot(table.nodes, table.verify[c, b].tolist(), style, marker="o", color=colour, label=label)
+    ax_depth.set(xlabel="frontier width (nodes a row)", title="one draft depth")
+    ax_verify.set(xlabel="verified drafted nodes a row (0 = plain step)", title="target verify forward")
+    for ax in (ax_depth, ax_verify):
+        ax.set(ylabel="ms", yscale="log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    ax_verify.legend(fontsize=7, ncol=max(1, math.ceil(len(table.contexts) * len(table.batches) / 6)))
+    k = table.key
+    fig.suptitle(f"{k.device}, tp {k.tp}, {k.dtype}, target {k.target}, drafter {k.drafter} "
+                 f"({table.meta.get('timing', '?')} timing)", fontsize=9)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+__all__ = ["TABLE_VERSION", "CostKey", "CostTable", "cost_key", "device_name", "drafter_identity", "plot_costs"]
