@@ -249,7 +249,7 @@ def run(args, on_progress=None) -> dict:
     for d in drafters.values():
         earlier_rows = list(rows)
 
-        def on_row(drafter_rows: list[dict]) -> None:  # --out rewritten after every measured row
+        def on_row(drafter_rows: list[dict], earlier_rows: list[dict] = earlier_rows) -> None:  # --out after every row
             rows[:] = earlier_rows + drafter_rows
             if on_progress is not None:
                 on_progress(content())

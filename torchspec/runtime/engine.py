@@ -39,6 +39,8 @@ import time
 
 import torch
 
+from torchspec.runtime.controlled_drafting import RoundCosts, check_table_for
+from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
 from torchspec.runtime.graphs import StepGraphs
@@ -105,11 +107,14 @@ class SpeculativeEngine:
     # --- request API ------------------------------------------------------------------------------
 
     def configure(self, *, spec: SpecConfig | None = None, seed: int = 0, concurrency: int | None = None,
-                  prefill_wait: int | None = None) -> None:
+                  prefill_wait: int | None = None, controller: CostTable | None = None) -> None:
         """What the following steps do: ``spec`` (None = plain decoding), the RNG seed of sampled
         draws, at most ``concurrency`` (default ``max_batch``) requests running at once, and
-        ``prefill_wait`` (None = unchanged; see ``__init__``). Only between requests: refused while
-        any is in flight."""
+        ``prefill_wait`` (None = unchanged; see ``__init__``). ``controller``: a measured cost table
+        (``torchspec-profile``): greedy rounds then draft and verify what the draft controller chooses
+        within ``spec``'s shape (``controlled_drafting``; host-chained, so without CUDA graphs for now);
+        ``controller_trace`` collects each such round's (depths drafted, verified width). Only between
+        requests: refused while any is in flight."""
         if self.scheduler.has_work:
             raise ValueError("configure: requests are in flight; finish or cancel them first.")
         concurrency = concurrency or self.max_batch
@@ -123,7 +128,17 @@ class SpeculativeEngine:
             if self.runner is None:
                 raise ValueError("speculation needs a drafter: build the SpeculativeEngine with one, or pass spec=None.")
             spec.validate()
-        self.spec = spec
+        if controller is not None:
+            if spec is None:
+                raise ValueError("controller needs a spec: its shape bounds the depth, top-k and nodes the controller chooses.")
+            if self.caches.recurrent is not None:
+                raise ValueError("controller: hybrid (recurrent) targets are not yet served by the draft controller; "
+                                 "pass controller=None to draft spec's fixed shape.")
+            if self.graphs is not None:
+                raise ValueError("controller: the draft controller runs host-chained, without CUDA graphs, until its "
+                                 "per-depth graphs land; build the SpeculativeEngine with cuda_graphs=False.")
+            check_table_for(controller, spec)
+        self.spec, self.controller, self.controller_trace = spec, controller, []
         self._per_round_of = {greedy: self._kv_per_round(spec, greedy) for greedy in (True, False)}
         self.scheduler.concurrency = concurrency
         # pages written by plain decoding hold no drafter entries: they are cached apart
@@ -180,18 +195,19 @@ class SpeculativeEngine:
     def generate(self, prompts: list[list[int]] | list[str], *, max_new_tokens: int = 128,
                  sampling: SamplingParams | None = None, spec: SpecConfig | None = None, seed: int = 0,
                  stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
-                 concurrency: int | None = None) -> list[GenerationResult]:
+                 concurrency: int | None = None, controller: CostTable | None = None) -> list[GenerationResult]:
         """Generate for every prompt (token id lists, or strings if the engine has a tokenizer), all
         with the same settings: ``configure``, ``submit`` each, ``step`` until done.
 
         ``spec=None`` decodes plainly (one target forward per token); otherwise each round drafts
-        and verifies per ``spec``. At most ``concurrency`` (default ``max_batch``) sequences run
-        at once. Results come back in prompt order. Needs an idle engine.
+        and verifies per ``spec`` (within it, what the draft controller chooses with a ``controller``
+        cost table). At most ``concurrency`` (default ``max_batch``) sequences run at once. Results come
+        back in prompt order. Needs an idle engine.
         """
         sampling = sampling or GREEDY
         prompts = self._encode(prompts)
         self.check_request(prompts, max_new_tokens, sampling, spec)
-        self.configure(spec=spec, seed=seed, concurrency=concurrency)
+        self.configure(spec=spec, seed=seed, concurrency=concurrency, controller=controller)
         ids = [self.submit(p, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids or (),
                            ignore_eos=ignore_eos) for p in prompts]
         results: dict[int, GenerationResult] = {}
@@ -317,8 +333,14 @@ class SpeculativeEngine:
                 return plain_step(self.decoder, self.caches, bt, ctx, root, valid, params, generator, slots=slots)
             args = {"bt": bt, "ctx": ctx, "root": self.root[index], "valid": valid, "slots": index, "params": params}
         else:
+            costs = None
+            if self.controller is not None and greedy:  # the round's measured costs at its batch and context
+                costs = RoundCosts.lookup(self.controller, spec, len(active), max(slots[i].ctx for i in rows),
+                                          self.device, self.controller_trace)
+
             def step(inp, slots, params):
-                return speculate(self.decoder, self.runner, self.caches, inp, spec, params, generator, slots=slots)
+                return speculate(self.decoder, self.runner, self.caches, inp, spec, params, generator, slots=slots,
+                                 costs=costs)
             args = {"inp": DraftInputs(root=self.root[index], normed=self.normed[index],
                                        feedback=self.feedback[index], ctx_len=ctx, block_table=bt, row_valid=valid),
                     "slots": index, "params": params}

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from torchspec.attend import in_window
+from torchspec.runtime.controlled_drafting import RoundCosts, draft_controlled_tree
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, draft_round
 from torchspec.runtime.paged_kv import (
@@ -175,19 +176,24 @@ def plain_step(decoder: TargetDecoder, caches: Caches, block_table: torch.Tensor
 
 def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp: DraftInputs,
               spec: SpecConfig, params: SamplingParams | RowSampling, generator: torch.Generator,
-              slots: torch.Tensor | None = None) -> StepOut:
-    """One draft-verify-accept-compact-catch-up round over the active rows (see module docstring)."""
-    tree = draft_round(runner, caches.drafter, inp, spec, params, generator)
+              slots: torch.Tensor | None = None, costs: RoundCosts | None = None) -> StepOut:
+    """One draft-verify-accept-compact-catch-up round over the active rows (see module docstring);
+    with ``costs`` a greedy round's depth and width are the draft controller's (``controlled_drafting``)."""
+    if costs is not None and params.greedy:
+        tree = draft_controlled_tree(runner, caches.drafter, inp, spec, costs)
+    else:
+        tree = draft_round(runner, caches.drafter, inp, spec, params, generator)
     b = tree.tokens.shape[0]
+    depth = min(spec.depth, tree.num_nodes - 1)  # static: a tree of fewer nodes (a controlled width) is shallower
     ctx, bt = inp.ctx_len, inp.block_table
-    meta = build_attention_meta(bt, ctx, tree.attention_mask(spec.depth), caches.page_size, row_valid=inp.row_valid)
+    meta = build_attention_meta(bt, ctx, tree.attention_mask(depth), caches.page_size, row_valid=inp.row_valid)
     attend = target_attend(caches, meta, slots, inp.row_valid, parents=tree.parents, depths=tree.depths,
                            level_widths=tree_level_widths(spec, params))
     out = decoder(tree.tokens, ctx[:, None] + tree.depths, attend, capture_layers=tuple(runner.config.aux_layer_ids))
     if params.greedy:
-        res = verify_greedy(tree, decoder.argmax(out.hidden), max_depth=spec.depth)  # [B, N] argmaxes
+        res = verify_greedy(tree, decoder.argmax(out.hidden), max_depth=depth)  # [B, N] argmaxes
     else:
-        res = verify_sampling(tree, process_logits(decoder.logits(out.hidden), params), generator, max_depth=spec.depth,
+        res = verify_sampling(tree, process_logits(decoder.logits(out.hidden), params), generator, max_depth=depth,
                               max_tries=spec.max_tries(params))
     a = res.num_accepted  # [B]
     if isinstance(attend, HybridAttend):  # recurrent state: the accepted path's last node only

@@ -1,0 +1,112 @@
+"""The draft controller in the engine (torchspec/runtime/controlled_drafting.py), CPU, fp32.
+
+Greedy output must equal plain decoding under every decision the controller takes. Cost tables are
+built by hand to force each regime -- verification so dear that no draft pays (width 0: every round
+commits one token), depths and nodes so cheap that it drafts the spec's whole depth and verifies wide
+-- and random tables cover the decisions between (stops at every depth, widths 0 .. N). Bad
+configurations are one-line errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.runtime_pair import build_pair
+from torchspec.runtime.cost_table import CostTable, cost_key
+from torchspec.runtime.drafting import SpecConfig
+from torchspec.runtime.loading import load_engine
+
+SPECS = [SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12), SpecConfig(shape="chain", depth=5)]
+NODES = [0, 1, 2, 4, 8, 12]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tiny_tokenizer):
+    return build_pair(tmp_path_factory.mktemp("controlled"), tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    return load_engine(*pair, device="cpu", dtype="float32", max_batch=3, max_context=160, page_size=4)
+
+
+@pytest.fixture(scope="module")
+def confident(pair):
+    """The same drafter with its head's logits scaled x40: the same argmax (the same accepted drafts), but
+    confident -- the tiny pair's own distributions are near-flat (top probability ~0.004), which no
+    cost table makes worth a second depth."""
+    engine = load_engine(*pair, device="cpu", dtype="float32", max_batch=3, max_context=160, page_size=4)
+    engine.runner.model.lm_head.weight.data.mul_(40.0)
+    return engine
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    texts = ["hello there", "the cat sat on a mat and", "one two three", "repeat: red green blue"]
+    return [tokenizer.encode(texts[i % len(texts)], add_special_tokens=False) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def plain(engine, tiny_tokenizer):
+    return {n: engine.generate(prompts(tiny_tokenizer, n), max_new_tokens=32, ignore_eos=True) for n in (1, 3)}
+
+
+def table(engine, depth: float, verify_per_node: float, *, noise: float = 0.0, seed: int = 0) -> CostTable:
+    """A table of this engine's key: a depth costs ``depth`` ms, a plain step 1 ms, each verified node
+    ``verify_per_node`` ms more (``noise``: random multiplicative jitter, so decisions vary)."""
+    g = torch.Generator().manual_seed(seed)
+    widths, batches, contexts = [1, 2, 3], [1, 4], [16, 256]
+
+    def jitter(*shape: int) -> torch.Tensor:
+        return 1 + noise * torch.rand(*shape, generator=g, dtype=torch.float64)
+
+    d = depth * jitter(len(contexts), len(batches), len(widths))
+    v = (1 + verify_per_node * torch.tensor(NODES, dtype=torch.float64)) * jitter(len(contexts), len(batches), len(NODES))
+    return CostTable(key=cost_key(engine.decoder, engine.runner), widths=widths, nodes=NODES, batches=batches,
+                     contexts=contexts, depth=d, verify=v.cummax(-1).values, meta={})
+
+
+def run(engine, tokenizer, n: int, spec: SpecConfig, costs: CostTable):
+    out = engine.generate(prompts(tokenizer, n), max_new_tokens=32, spec=spec, ignore_eos=True, controller=costs)
+    return out, list(engine.controller_trace)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_verification_too_dear_decodes_plainly(engine, plain, tiny_tokenizer, spec, batch):
+    out, trace = run(engine, tiny_tokenizer, batch, spec, table(engine, depth=0.01, verify_per_node=50.0))
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain[batch]]
+    assert trace and all(width == 0 for _, width in trace)
+    assert all(set(r.accept_lengths) == {1} for r in out)  # one token a round: a plain step
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)
+def test_cheap_drafting_goes_deep_and_wide(confident, plain, tiny_tokenizer, spec):
+    out, trace = run(confident, tiny_tokenizer, 3, spec, table(confident, depth=1e-4, verify_per_node=1e-4))
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain[3]]
+    assert max(d for d, _ in trace) == spec.depth and max(w for _, w in trace) > spec.depth // 2
+    assert max(max(r.accept_lengths) for r in out) > 1  # the pair agrees: drafts are accepted
+
+
+def test_every_decision_keeps_greedy_output(confident, plain, tiny_tokenizer):
+    """Random tables between the two regimes: whatever depth and width each round gets, the text is plain's."""
+    seen = set()
+    for seed in range(7):
+        spec = SPECS[seed % 2]
+        costs = table(confident, depth=1e-3 + 0.02 * seed, verify_per_node=0.01 * 3 ** seed, noise=0.5, seed=seed)
+        out, trace = run(confident, tiny_tokenizer, 1 + 2 * (seed % 2), spec, costs)
+        assert [r.token_ids for r in out] == [r.token_ids for r in plain[1 + 2 * (seed % 2)]], seed
+        seen |= set(trace)
+    depths, widths = {d for d, _ in seen}, {w for _, w in seen}
+    assert len(depths) >= 3 and 0 in widths and len(widths) >= 4, seen  # the runs really differ in shape
+
+
+def test_bad_controller_configurations_are_refused(engine):
+    costs = table(engine, depth=0.1, verify_per_node=0.1)
+    with pytest.raises(ValueError, match="controller needs a spec"):
+        engine.configure(controller=costs)
+    with pytest.raises(ValueError, match="widths .* lack the drafter width 4"):
+        engine.configure(spec=SpecConfig(shape="tree", depth=3, topk=4, num_nodes=8), controller=costs)
+    with pytest.raises(ValueError, match="nodes go up to 12 but spec verifies up to 20"):
+        engine.configure(spec=SpecConfig(shape="tree", depth=4, topk=3, num_nodes=20), controller=costs)
+    engine.configure()  # plain again: the fixture's engine stays usable

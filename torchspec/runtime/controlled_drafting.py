@@ -1,0 +1,127 @@
+"""A greedy round whose depth and verification width the draft controller chooses (host-chained).
+
+The fixed dynamic tree (``drafting.draft_dynamic_tree``) drafts ``spec.depth`` depths and verifies its
+``spec.num_nodes`` best nodes whatever the drafter's confidence. Here the same tree is grown depth by
+depth, and after each depth ``controller_policy.decide_after_depth`` weighs one more depth against its
+measured cost (``RoundCosts``, looked up in a ``cost_table.CostTable`` for the round's padded batch and
+context); when it says stop (or the spec's depth is reached), the round verifies the ``width`` best
+nodes that maximise expected tokens per ms -- none at all when the drafter is not worth its cost, and
+the round is then a plain decode step (plus the drafter's depth 0 and catch-up, which keep the
+drafter's state current for the next round).
+
+**Host-chained.** The go flag is read on the host after every depth (one sync a depth) and the width
+once per round: the fallback the issue keeps behind a flag. The device-chained rounds (the flags read
+by a one-thread kernel that launches the next depth's graph) need per-depth CUDA graphs and land with
+them; until then the controller runs without graphs (``SpeculativeEngine(cuda_graphs=False)``).
+
+Every decision keeps verification lossless: the verified set is the best ``width`` nodes by cumulative
+score under a stable sort, which is ancestor-closed exactly as the fixed tree's ``num_nodes`` best are,
+and greedy verification emits the target's own tokens whatever the tree
+(``tests/unit/test_controlled_drafting.py`` checks outputs equal to plain decoding under every
+decision the controller takes: widths 0 .. N and stops at every depth).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from torchspec.runtime.controller_policy import Decision, decide_after_depth
+from torchspec.runtime.cost_table import CostTable
+from torchspec.runtime.drafter_runner import DrafterRunner
+from torchspec.runtime.drafting import DraftInputs, SpecConfig, _DraftWriter, _top
+from torchspec.runtime.paged_kv import PagedKVCache
+from torchspec.runtime.sampling import SamplingParams
+from torchspec.runtime.tree import DraftTree
+from torchspec.runtime.tree_select import assemble_tree, expand_frontier
+
+
+@dataclass
+class RoundCosts:
+    """One round's measured costs (ms) on the round's device: ``depth_ms`` [D] (depth 0: the root's
+    candidates plus the catch-up forward any speculating round pays, timed as a width-1 depth; depth
+    d >= 1: a drafter depth over the k-node frontier) and ``verify_ms`` [N + 1] (index: drafted nodes
+    verified; 0 is a plain step). ``trace`` collects (depths drafted, width) per round."""
+
+    depth_ms: torch.Tensor
+    verify_ms: torch.Tensor
+    trace: list[tuple[int, int]] = field(default_factory=list)
+
+    @classmethod
+    def lookup(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, device: torch.device,
+               trace: list[tuple[int, int]] | None = None) -> RoundCosts:
+        """The costs of a round of ``spec``'s shape at padded ``batch`` and ``ctx`` committed tokens
+        (``trace``: the list the round's decision is appended to)."""
+        k = 1 if spec.shape == "chain" else spec.topk
+        depth_row = table.depth_ms(batch, ctx)  # [len(table.widths)]
+        one, wide = depth_row[table.widths.index(1)], depth_row[table.widths.index(k)]
+        depth_ms = torch.cat([one[None], wide.expand(spec.depth - 1)]).to(device)
+        verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1].to(device)
+        return cls(depth_ms, verify_ms, [] if trace is None else trace)
+
+
+def check_table_for(table: CostTable, spec: SpecConfig) -> None:
+    """At configuration: the table must hold what ``spec``'s rounds look up (one-line ValueErrors)."""
+    k = 1 if spec.shape == "chain" else spec.topk
+    for w in sorted({1, k}):
+        if w not in table.widths:
+            raise ValueError(f"cost table widths {table.widths} lack the drafter width {w} of spec shape={spec.shape!r}"
+                             f" topk={spec.topk}; re-run torchspec-profile with --widths including {w}.")
+    most = spec.num_drafted(SamplingParams())
+    if table.nodes[-1] < most:
+        raise ValueError(f"cost table nodes go up to {table.nodes[-1]} but spec verifies up to {most}; re-run "
+                         f"torchspec-profile with --nodes up to {most} or lower spec num_nodes.")
+
+
+def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
+                          costs: RoundCosts) -> DraftTree:
+    """The greedy dynamic tree of ``spec`` (a chain when shape == 'chain'), cut where the controller
+    stops, keeping its chosen width of best nodes (module docstring)."""
+    k = 1 if spec.shape == "chain" else spec.topk
+    b, dev = inp.root.shape[0], inp.root.device
+    greedy = SamplingParams()
+    writer = _DraftWriter(runner, cache, inp, max(1, (spec.depth - 1) * k), spec.depth)
+    sc, tok = _top(runner, inp.normed, k, greedy)  # [B, k] depth 0's candidates, log-probability descending
+    pool_tok, pool_sc, pool_parent = [tok], [sc], []
+    front_idx, front_tok, front_sc, front_edge = torch.arange(k, device=dev).expand(b, k), tok, sc, sc
+    front_hidden = inp.feedback[:, None].expand(b, k, -1)
+    parent_rows, base = None, k
+    decision = _decide(pool_sc, front_sc, front_edge, 0, costs, inp.row_valid)
+    depth = 1
+    while depth < spec.depth and bool(decision.go):  # host-chained: one read a depth
+        normed, feedback = writer.run(front_tok, front_hidden, parent_rows, depth)
+        csc, ctok = _top(runner, normed, k, greedy)  # [B, k, k]
+        out = expand_frontier(front_sc, csc, ctok, front_idx, feedback, base, False)
+        pool_sc.append(out[0]), pool_tok.append(out[1]), pool_parent.append(out[2])
+        parent_rows, front_idx, front_tok, front_sc, front_hidden = out[3:]
+        front_edge = torch.gather(csc.reshape(b, k * k), 1, front_idx - base)  # the kept children's own edge
+        base += k * k
+        decision = _decide(pool_sc, front_sc, front_edge, depth, costs, inp.row_valid)
+        depth += 1
+    width = int(decision.width)  # the round's one more host read: the verified shape
+    costs.trace.append((depth, width))
+    if width == 0:
+        return _root_only(inp.root)
+    tokens, parents, depths, rank = assemble_tree(inp.root, pool_tok, pool_sc, pool_parent, width)
+    return DraftTree(tokens=tokens, parents=parents, depths=depths,
+                     valid=torch.ones(b, width + 1, dtype=torch.bool, device=dev),
+                     sampled=torch.zeros(b, width + 1, dtype=torch.bool, device=dev), sibling_rank=rank,
+                     dist_index=torch.full((b, width + 1), -1, dtype=torch.long, device=dev))
+
+
+def _decide(pool_sc: list[torch.Tensor], front_sc: torch.Tensor, front_edge: torch.Tensor, depth: int,
+            costs: RoundCosts, row_valid: torch.Tensor) -> Decision:
+    return decide_after_depth(torch.cat(pool_sc, 1), front_sc, front_edge, depth, costs.depth_ms, costs.verify_ms,
+                              row_valid)
+
+
+def _root_only(root: torch.Tensor) -> DraftTree:
+    """Width 0: the round verifies no draft (the target's next token alone: a plain step)."""
+    b, dev = root.shape[0], root.device
+    zeros = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    return DraftTree(tokens=root[:, None], parents=zeros - 1, depths=zeros, valid=torch.ones_like(zeros, dtype=torch.bool),
+                     sampled=torch.zeros_like(zeros, dtype=torch.bool), sibling_rank=zeros, dist_index=zeros - 1)
+
+
+__all__ = ["RoundCosts", "check_table_for", "draft_controlled_tree"]
