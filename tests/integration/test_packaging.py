@@ -70,3 +70,12 @@ def test_convert_finds_the_drafter_presets(installed, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "eagle4" in out.stdout and str(installed) in _run(
         installed, "-c", "from recipes.convert import PRESET_DIR; print(PRESET_DIR)", cwd=tmp_path).stdout
+
+
+def test_no_recipe_or_tool_shadows_a_standard_library_module():
+    """``python recipes/x.py`` / ``python tools/x.py`` put that folder first on sys.path: a file named like a
+    standard module (``profile.py`` once) breaks every import of it there (cProfile -> profile)."""
+    root = Path(__file__).resolve().parents[2]
+    clashes = [str(p.relative_to(root)) for folder in ("recipes", "tools", "data_pipelines")
+               for p in (root / folder).glob("*.py") if p.stem in sys.stdlib_module_names]
+    assert not clashes, f"rename {clashes}: they shadow standard-library modules"

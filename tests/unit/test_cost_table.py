@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.profile import main as profile_main
+from recipes.profile_costs import main as profile_main
 from tests.runtime_pair import build_pair
 from torchspec.runtime.cost_profile import profile_costs
 from torchspec.runtime.cost_table import TABLE_VERSION, CostKey, CostTable, cost_key, drafter_identity

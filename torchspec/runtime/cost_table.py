@@ -1,7 +1,7 @@
 """The measured cost table of one serving setup: what a draft depth and a verify forward cost, in ms.
 
 The draft controller weighs the gain of one more draft depth, and of verifying more nodes, against
-what they cost on THIS hardware. ``torchspec-profile`` (``recipes/profile.py``, measuring with
+what they cost on THIS hardware. ``torchspec-profile`` (``recipes/profile_costs.py``, measuring with
 ``cost_profile.py``) writes the table once per setup; the runtime loads it with the key of the
 setup it serves and refuses a table measured for another one.
 

@@ -1,7 +1,7 @@
 """``torchspec-profile``: measure the cost table of a serving setup (what the draft controller weighs).
 
     torchspec-profile --target smollm2 --drafter runs/x/export --out costs.json --plot costs.png
-    torchrun --nproc-per-node 2 -m recipes.profile --target Qwen/Qwen3-8B --drafter runs/y/export --tp 2 \\
+    torchrun --nproc-per-node 2 -m recipes.profile_costs --target Qwen/Qwen3-8B --drafter runs/y/export --tp 2 \\
         --out costs_tp2.json --batches 1,8,64 --contexts 512,2048,8192
 
 Loads the target and the exported drafter as ``torchspec-generate`` does, then times on this device,
@@ -13,6 +13,9 @@ table (``torchspec/runtime/cost_table.py``) atomically to ``--out``, keyed by (d
 fingerprint, drafter, dtype), and with ``--plot`` a PNG of it. On CPU the times are wall-clock and
 mean nothing. Every option and path is checked before a model loads; user errors print one line
 and exit 2, and leave ``--out`` untouched (``--debug``: the traceback).
+
+(Not ``recipes/profile.py``: ``python recipes/train.py`` puts ``recipes/`` first on ``sys.path``, where a
+``profile`` module shadows the standard library's, which ``cProfile`` imports.)
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def check_args(args) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp != world:
         raise ValueError(f"--tp {args.tp} but {world} process(es) run; launch with torchrun --nproc-per-node "
-                         f"{args.tp} -m recipes.profile ... (or pass --tp {world}).")
+                         f"{args.tp} -m recipes.profile_costs ... (or pass --tp {world}).")
     if args.target not in BUILTIN_TARGETS and not os.path.exists(args.target):
         raise ValueError(f"--target {args.target} does not exist; pass an HF checkpoint dir, a .gguf file or an "
                          f"alias ({', '.join(sorted(BUILTIN_TARGETS))}).")
