@@ -94,13 +94,14 @@ def check_args(args) -> dict:
     return {"spec": base_spec, "levels": levels, "temps": temps, "shapes": shapes, "prompt_sets": prompt_sets}
 
 
-def measure(engine, prompts, spec, params, max_new, seed, concurrency) -> dict:
+def measure(engine, prompts, spec, params, max_new, seed, concurrency, controller=None) -> dict:
     """One timed ``generate``; ``round_ms``: decode time per batched engine round (a plain step for
-    plain decoding); ``mean_ctx``: the rows' mean committed length over their decode."""
+    plain decoding); ``mean_ctx``: the rows' mean committed length over their decode. ``controller``: a
+    cost table, the draft controller choosing each greedy round's shape within ``spec``."""
     rounds_before = engine.decode_rounds
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=max_new, sampling=params, spec=spec, seed=seed,
-                              concurrency=concurrency)
+                              concurrency=concurrency, controller=controller)
     wall = time.perf_counter() - t0
     engine_rounds = engine.decode_rounds - rounds_before
     prefill = sum(r.prefill_s for r in results)

@@ -57,7 +57,8 @@ TARGET_HEAD_RANK = 64  # the target's lm_head is exactly this rank: a rank-128 s
 
 @torch.no_grad()
 def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed: int, device: str = "cuda",
-                 tp_group=None, fuse: bool = True, head_rank: int = 128, layers: int | None = None):
+                 tp_group=None, fuse: bool = True, head_rank: int = 128, layers: int | None = None,
+                 cuda_graphs: bool | None = None):
     """A mostly-bigram target of ``shape`` and the EAGLE-4 drafter that imitates it (module docstring).
 
     Scale-free construction, so acceptance depends on ``mix`` and the noise, not on the width or depth:
@@ -96,7 +97,7 @@ def build_engine(shape: str, mix: float, max_batch: int, max_context: int, seed:
     drafter.init_from_target(decoder.embed_tokens_weight.float(), decoder.lm_head_weight.float())
     runner = DrafterRunner(drafter.to(dtype).eval(), cfg.vocab_size)
     return SpeculativeEngine(decoder, runner, None, max_batch=max_batch, max_context=max_context, page_size=16,
-                             fuse=fuse)
+                             fuse=fuse, cuda_graphs=cuda_graphs)
 
 
 def _scale_free_init(named_parameters, residual_scale: float, tp: int) -> None:

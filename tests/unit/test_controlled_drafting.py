@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from tests.runtime_pair import build_pair
+from torchspec.runtime.controlled_drafting import Calibration
+from torchspec.runtime.controller_policy import SCALE_ONE
 from torchspec.runtime.cost_table import CostTable, cost_key
 from torchspec.runtime.drafting import SpecConfig
 from torchspec.runtime.loading import load_engine
@@ -38,6 +40,17 @@ def confident(pair):
     cost table makes worth a second depth."""
     engine = load_engine(*pair, device="cpu", dtype="float32", max_batch=3, max_context=160, page_size=4)
     engine.runner.model.lm_head.weight.data.mul_(40.0)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def confidently_wrong(pair):
+    """Confident (head x40) and wrong: eh_proj scrambled, so the drafter no longer reads the token it
+    must continue -- what an untrained drafter whose head is the target's looks like."""
+    engine = load_engine(*pair, device="cpu", dtype="float32", max_batch=3, max_context=160, page_size=4)
+    engine.runner.model.lm_head.weight.data.mul_(40.0)
+    w = engine.runner.model.eh_proj.weight
+    w.data.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(7)) * 3 / w.shape[1] ** 0.5)
     return engine
 
 
@@ -110,3 +123,33 @@ def test_bad_controller_configurations_are_refused(engine):
     with pytest.raises(ValueError, match="nodes go up to 12 but spec verifies up to 20"):
         engine.configure(spec=SpecConfig(shape="tree", depth=4, topk=3, num_nodes=20), controller=costs)
     engine.configure()  # plain again: the fixture's engine stays usable
+
+
+def test_a_confidently_wrong_drafter_is_soon_not_verified(confidently_wrong, plain, tiny_tokenizer):
+    """Its confidence promises a wide tree; the calibration learns within a few rounds that nothing it
+    proposes is accepted, and the controller then decodes plainly, probing one or two nodes now and then
+    (a node costing 10% of a step pays from 10% acceptance on: the probes are the price of noticing a
+    drafter that improves)."""
+    costs = table(confidently_wrong, depth=0.02, verify_per_node=0.1)
+    out, trace = run(confidently_wrong, tiny_tokenizer, 1, SPECS[0], costs)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain[1]]
+    widths = [w for _, w in trace]
+    assert widths[0] > 0  # before any evidence the confidence is believed
+    assert sum(w == 0 for w in widths[3:]) >= 0.8 * len(widths[3:])
+
+
+def test_calibration_is_the_decayed_ratio_and_drifts_back_without_evidence():
+    cal = Calibration(torch.device("cpu"), decay=0.5, prior=0.25)
+    assert int(cal.scale()) == SCALE_ONE  # no evidence: the confidence as is
+    cal.pending = torch.tensor(3.0, dtype=torch.float64)
+    cal.observe(torch.tensor([0, 0]), torch.tensor([True, True]))
+    assert int(cal.scale()) == round(0.25 / 3.25 * SCALE_ONE)
+    scales = []
+    for _ in range(8):  # rounds that verify nothing: the evidence decays, the scale returns toward 1
+        cal.pending = torch.tensor(0.0, dtype=torch.float64)
+        cal.observe(torch.tensor([0, 0]), torch.tensor([True, True]))
+        scales.append(int(cal.scale()))
+    assert scales == sorted(scales) and scales[-1] > 0.9 * SCALE_ONE
+    cal.pending = torch.tensor(1.0, dtype=torch.float64)
+    cal.observe(torch.tensor([4, 9]), torch.tensor([True, False]))  # a padded row's count is not evidence
+    assert float(cal.accepted) == pytest.approx(4.0 + 0.0, abs=1e-2)

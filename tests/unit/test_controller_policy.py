@@ -16,6 +16,7 @@ import torch
 from torchspec.runtime.controller_policy import (
     INITIAL_SAMPLED_DEPTH,
     PROB_ONE,
+    SCALE_ONE,
     chain_depth_for_batch,
     check_costs,
     decide_after_depth,
@@ -54,19 +55,20 @@ def linear_costs(d_max: int, n_max: int, depth: float, plain: float, per_node: f
     return torch.full((d_max,), depth), plain + per_node * torch.arange(n_max + 1, dtype=torch.float32)
 
 
-def both(pool, front, edge, depth, depth_ms, verify_ms, row_valid=None) -> tuple[tuple, tuple]:
+def both(pool, front, edge, depth, depth_ms, verify_ms, row_valid=None, scale=None) -> tuple[tuple, tuple]:
     """(tensor decision, reference decision) as (width, stop, go) Python values."""
     valid = torch.ones(pool.shape[0], dtype=torch.bool) if row_valid is None else row_valid
-    got = decide_after_depth(pool, front, edge, depth, depth_ms, verify_ms, valid)
+    got = decide_after_depth(pool, front, edge, depth, depth_ms, verify_ms, valid,
+                             None if scale is None else torch.tensor(scale))
     want = reference_decide_after_depth(pool.tolist(), front.tolist(), edge.tolist(), depth, depth_ms.tolist(),
-                                        verify_ms.tolist(), valid.tolist())
+                                        verify_ms.tolist(), valid.tolist(), scale)
     return (int(got.width), bool(got.stop), bool(got.go)), want
 
 
 def test_random_rounds_decide_like_the_reference():
     gen = torch.Generator().manual_seed(0)
     seen_go, widths = set(), set()
-    for _ in range(400):
+    for _ in range(400):  # noqa: B007 (the index picks the calibrated half)
         rows, k = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 7, (1,), generator=gen))
         d_max = int(torch.randint(1, 7, (1,), generator=gen))
         depth = int(torch.randint(0, d_max, (1,), generator=gen))
@@ -76,11 +78,13 @@ def test_random_rounds_decide_like_the_reference():
         depth_ms = 0.02 + torch.rand(d_max, generator=gen) * 0.5
         verify_ms = 1 + torch.cumsum(torch.rand(n_max + 1, generator=gen) * 0.3, 0)
         valid = torch.rand(rows, generator=gen) < 0.85
-        got, want = both(pool, front, edge, depth, depth_ms, verify_ms, valid)
+        scale = None if _ % 2 else int(torch.randint(0, 2 * SCALE_ONE, (1,), generator=gen))  # calibrated half
+        got, want = both(pool, front, edge, depth, depth_ms, verify_ms, valid, scale)
         assert got == want, (rows, k, depth, d_max, n_max, sharpness)
-        tokens = expected_tokens(pool, n_max, valid)
-        assert tokens.tolist() == reference_expected_tokens(pool.tolist(), n_max, valid.tolist())
-        assert int(verify_width(pool, depth, depth_ms, verify_ms, valid)) == got[0]
+        scale_t = None if scale is None else torch.tensor(scale)
+        tokens = expected_tokens(pool, n_max, valid, scale_t)
+        assert tokens.tolist() == reference_expected_tokens(pool.tolist(), n_max, valid.tolist(), scale)
+        assert int(verify_width(pool, depth, depth_ms, verify_ms, valid, scale_t)) == got[0]
         seen_go.add(got[2])
         widths.add(got[0])
     assert seen_go == {True, False} and len(widths) > 10  # the random rounds exercise every decision
@@ -225,3 +229,13 @@ def test_bad_inputs_name_the_argument():
         next_sampled_depth(torch.ones(0, dtype=torch.bool), 3)
     with pytest.raises(ValueError, match="max_depth"):
         next_sampled_depth(torch.ones(2, dtype=torch.bool), 0)
+
+
+def test_a_drafter_whose_confidence_is_never_borne_out_decodes_plainly():
+    """Calibration scale 0 (nothing it proposed was accepted): no width pays however sure the drafter is;
+    scale 1 keeps the confident drafter's wide tree; a halved scale never verifies more."""
+    gen = torch.Generator().manual_seed(3)
+    pool, front, edge = draft_scores(gen, 4, 4, 3, 50, 8.0)
+    depth_ms, verify_ms = linear_costs(5, 32, 0.05, 1.0, 0.01)
+    widths = [both(pool, front, edge, 3, depth_ms, verify_ms, scale=s)[0][0] for s in (0, SCALE_ONE // 2, SCALE_ONE)]
+    assert widths[0] == 0 and 0 < widths[1] <= widths[2]

@@ -14,6 +14,14 @@ once per round: the fallback the issue keeps behind a flag. The device-chained r
 by a one-thread kernel that launches the next depth's graph) need per-depth CUDA graphs and land with
 them; until then the controller runs without graphs (``SpeculativeEngine(cuda_graphs=False)``).
 
+**Calibration.** The drafter's confidence is the controller's only estimate of acceptance, and a
+drafter can be confidently wrong (an untrained one whose head is the target's). ``Calibration`` keeps,
+on the device, decayed sums of the drafted tokens the verified nodes' confidence expected and of those
+actually accepted; their ratio (with a small prior at 1, so that without evidence it drifts back to 1
+and the controller probes again) scales the expectation in every decision
+(``controller_policy``'s ``scale``). An untrained drafter is verified for a round or two, then almost
+never.
+
 Every decision keeps verification lossless: the verified set is the best ``width`` nodes by cumulative
 score under a stable sort, which is ancestor-closed exactly as the fixed tree's ``num_nodes`` best are,
 and greedy verification emits the target's own tokens whatever the tree
@@ -27,7 +35,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchspec.runtime.controller_policy import Decision, decide_after_depth
+from torchspec.runtime.controller_policy import (
+    PROB_ONE,
+    SCALE_ONE,
+    Decision,
+    decide_after_depth,
+    expected_tokens,
+)
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, _DraftWriter, _top
@@ -37,28 +51,60 @@ from torchspec.runtime.tree import DraftTree
 from torchspec.runtime.tree_select import assemble_tree, expand_frontier
 
 
+class Calibration:
+    """Decayed evidence of how far the drafter's confidence is borne out (module docstring): per round
+    ``accepted = decay * accepted + drafted tokens accepted`` and ``expected = decay * expected + their
+    expectation by confidence``; the scale is ``(accepted + prior) / (expected + prior)``, at most
+    ``most``. Defaults: evidence halves in ~14 rounds; an untrained drafter that expected ~3 tokens and got
+    none is scaled to ~0.08 and probed again after ~50 rounds."""
+
+    def __init__(self, device: torch.device, decay: float = 0.95, prior: float = 0.25, most: float = 4.0):
+        if not (0 < decay < 1 and prior > 0 and most >= 1):
+            raise ValueError(f"Calibration(decay={decay}, prior={prior}, most={most}): need 0 < decay < 1, "
+                             f"prior > 0 and most >= 1.")
+        self.decay, self.prior, self.most = decay, prior, most
+        self.accepted = torch.zeros((), dtype=torch.float64, device=device)
+        self.expected = torch.zeros((), dtype=torch.float64, device=device)
+        self.pending: torch.Tensor | None = None  # this round's expectation, until its verification
+
+    def scale(self) -> torch.Tensor:
+        """0-d int64 in units of SCALE_ONE (no host read)."""
+        ratio = ((self.accepted + self.prior) / (self.expected + self.prior)).clamp(max=self.most)
+        return torch.round(ratio * SCALE_ONE).long()
+
+    def observe(self, accepted: torch.Tensor, row_valid: torch.Tensor) -> None:
+        """After verification: ``accepted`` [B] drafted tokens accepted per row (live rows count)."""
+        assert self.pending is not None, "observe follows a controlled round's draft"
+        self.accepted.mul_(self.decay).add_((accepted * row_valid).sum().double())
+        self.expected.mul_(self.decay).add_(self.pending)
+        self.pending = None
+
+
 @dataclass
 class RoundCosts:
     """One round's measured costs (ms) on the round's device: ``depth_ms`` [D] (depth 0: the root's
     candidates plus the catch-up forward any speculating round pays, timed as a width-1 depth; depth
     d >= 1: a drafter depth over the k-node frontier) and ``verify_ms`` [N + 1] (index: drafted nodes
-    verified; 0 is a plain step). ``trace`` collects (depths drafted, width) per round."""
+    verified; 0 is a plain step). ``trace`` collects (depths drafted, width) per round; ``calibration``
+    scales the drafter's confidence (module docstring)."""
 
     depth_ms: torch.Tensor
     verify_ms: torch.Tensor
+    calibration: Calibration
     trace: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
-    def lookup(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, device: torch.device,
+    def lookup(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, calibration: Calibration,
                trace: list[tuple[int, int]] | None = None) -> RoundCosts:
         """The costs of a round of ``spec``'s shape at padded ``batch`` and ``ctx`` committed tokens
         (``trace``: the list the round's decision is appended to)."""
         k = 1 if spec.shape == "chain" else spec.topk
         depth_row = table.depth_ms(batch, ctx)  # [len(table.widths)]
         one, wide = depth_row[table.widths.index(1)], depth_row[table.widths.index(k)]
+        device = calibration.accepted.device
         depth_ms = torch.cat([one[None], wide.expand(spec.depth - 1)]).to(device)
         verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1].to(device)
-        return cls(depth_ms, verify_ms, [] if trace is None else trace)
+        return cls(depth_ms, verify_ms, calibration, [] if trace is None else trace)
 
 
 def check_table_for(table: CostTable, spec: SpecConfig) -> None:
@@ -87,7 +133,8 @@ def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: Draft
     front_idx, front_tok, front_sc, front_edge = torch.arange(k, device=dev).expand(b, k), tok, sc, sc
     front_hidden = inp.feedback[:, None].expand(b, k, -1)
     parent_rows, base = None, k
-    decision = _decide(pool_sc, front_sc, front_edge, 0, costs, inp.row_valid)
+    scale = costs.calibration.scale()
+    decision = _decide(pool_sc, front_sc, front_edge, 0, costs, inp.row_valid, scale)
     depth = 1
     while depth < spec.depth and bool(decision.go):  # host-chained: one read a depth
         normed, feedback = writer.run(front_tok, front_hidden, parent_rows, depth)
@@ -97,10 +144,13 @@ def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: Draft
         parent_rows, front_idx, front_tok, front_sc, front_hidden = out[3:]
         front_edge = torch.gather(csc.reshape(b, k * k), 1, front_idx - base)  # the kept children's own edge
         base += k * k
-        decision = _decide(pool_sc, front_sc, front_edge, depth, costs, inp.row_valid)
+        decision = _decide(pool_sc, front_sc, front_edge, depth, costs, inp.row_valid, scale)
         depth += 1
     width = int(decision.width)  # the round's one more host read: the verified shape
     costs.trace.append((depth, width))
+    pool = torch.cat(pool_sc, 1)  # the confidence's expectation of the verified nodes, for the calibration
+    drafted = expected_tokens(pool, width, inp.row_valid)[-1] - inp.row_valid.sum() * PROB_ONE
+    costs.calibration.pending = drafted.double() / PROB_ONE
     if width == 0:
         return _root_only(inp.root)
     tokens, parents, depths, rank = assemble_tree(inp.root, pool_tok, pool_sc, pool_parent, width)
@@ -111,9 +161,9 @@ def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: Draft
 
 
 def _decide(pool_sc: list[torch.Tensor], front_sc: torch.Tensor, front_edge: torch.Tensor, depth: int,
-            costs: RoundCosts, row_valid: torch.Tensor) -> Decision:
+            costs: RoundCosts, row_valid: torch.Tensor, scale: torch.Tensor) -> Decision:
     return decide_after_depth(torch.cat(pool_sc, 1), front_sc, front_edge, depth, costs.depth_ms, costs.verify_ms,
-                              row_valid)
+                              row_valid, scale)
 
 
 def _root_only(root: torch.Tensor) -> DraftTree:
@@ -124,4 +174,4 @@ def _root_only(root: torch.Tensor) -> DraftTree:
                      sampled=torch.zeros_like(zeros, dtype=torch.bool), sibling_rank=zeros, dist_index=zeros - 1)
 
 
-__all__ = ["RoundCosts", "check_table_for", "draft_controlled_tree"]
+__all__ = ["Calibration", "RoundCosts", "check_table_for", "draft_controlled_tree"]

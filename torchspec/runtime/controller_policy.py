@@ -53,6 +53,7 @@ from typing import NamedTuple
 import torch
 
 PROB_ONE = 1 << 20  # fixed-point units per expected token
+SCALE_ONE = 1 << 16  # fixed-point units of the calibration scale (1.0: the drafter's confidence taken as is)
 NS_PER_MS = 1_000_000
 INITIAL_SAMPLED_DEPTH = 1  # depth 0 alone; grows by one per round while the criterion keeps going
 
@@ -101,45 +102,50 @@ def _ns(ms: torch.Tensor) -> torch.Tensor:
     return torch.round(ms.double() * NS_PER_MS).long()
 
 
-def _tokens(units: torch.Tensor, max_width: int, row_valid: torch.Tensor) -> torch.Tensor:
-    """units [B, P] -> tokens(n) for n = 0 .. max_width, summed over live rows (fixed point) [W + 1]."""
+def _tokens(units: torch.Tensor, max_width: int, row_valid: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """units [B, P] -> tokens(n) for n = 0 .. max_width, summed over live rows (fixed point) [W + 1];
+    ``scale`` (0-d int64, units of SCALE_ONE) multiplies the drafted tokens' expectation."""
     ranked = torch.sort(units, dim=-1, descending=True).values[:, :max_width] * row_valid[:, None]  # [B, W]
     per_width = torch.cumsum(ranked.sum(0), 0)  # [W]: exact in any order (integers)
+    if scale is not None:
+        per_width = per_width * scale // SCALE_ONE  # integer: exact, the same on every device
     bonus = row_valid.sum() * PROB_ONE  # every live row emits the target's token
     return bonus + torch.cat([per_width.new_zeros(1), per_width])
 
 
 def _best(units: torch.Tensor, depth: int, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
-          row_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+          row_valid: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The best width over the pool ``units`` [B, P] after drafting depths 0..depth, and its rate."""
     max_width = min(verify_ms.shape[0] - 1, units.shape[1])
     cost = _ns(depth_ms[: depth + 1]).sum() + _ns(verify_ms[: max_width + 1])  # [W + 1] ns
-    rate = _tokens(units, max_width, row_valid).double() / cost.double()  # [W + 1]
+    rate = _tokens(units, max_width, row_valid, scale).double() / cost.double()  # [W + 1]
     return torch.argmax(rate), rate.max()  # argmax: the first maximum, so ties go to the smaller width
 
 
-def expected_tokens(pool_logp: torch.Tensor, max_width: int, row_valid: torch.Tensor | None = None) -> torch.Tensor:
+def expected_tokens(pool_logp: torch.Tensor, max_width: int, row_valid: torch.Tensor | None = None,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
     """pool_logp [B, P] -> tokens(n) [min(max_width, P) + 1] int64 in units of 1 / PROB_ONE token."""
     valid = torch.ones_like(pool_logp[:, 0], dtype=torch.bool) if row_valid is None else row_valid
-    return _tokens(_units(pool_logp), min(max_width, pool_logp.shape[1]), valid)
+    return _tokens(_units(pool_logp), min(max_width, pool_logp.shape[1]), valid, scale)
 
 
 def verify_width(pool_logp: torch.Tensor, depth: int, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
-                 row_valid: torch.Tensor | None = None) -> torch.Tensor:
+                 row_valid: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The width (0-d int64) maximising tokens / ms after drafting depths 0..depth of pool ``pool_logp`` [B, P]."""
     _check_shapes(pool_logp, depth, depth_ms, verify_ms, row_valid)
     valid = torch.ones_like(pool_logp[:, 0], dtype=torch.bool) if row_valid is None else row_valid
-    return _best(_units(pool_logp), depth, depth_ms, verify_ms, valid)[0]
+    return _best(_units(pool_logp), depth, depth_ms, verify_ms, valid, scale)[0]
 
 
 def decide_after_depth(pool_logp: torch.Tensor, frontier_logp: torch.Tensor, frontier_edge_logp: torch.Tensor,
                        depth: int, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
-                       row_valid: torch.Tensor | None = None) -> Decision:
+                       row_valid: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> Decision:
     """The decision after drafting depths 0..depth.
 
     pool_logp [B, P] every drafted node's cumulative log-probability; frontier_logp [B, F] those of the
     nodes the next depth would expand, frontier_edge_logp [B, F] their last edge's log-probability;
-    depth_ms [D_max], verify_ms [N_max + 1] this batch's measured costs; row_valid [B] live rows."""
+    depth_ms [D_max], verify_ms [N_max + 1] this batch's measured costs; row_valid [B] live rows; scale
+    (0-d int64, SCALE_ONE = 1.0) the calibration of the drafter's confidence (module docstring)."""
     _check_shapes(pool_logp, depth, depth_ms, verify_ms, row_valid)
     if frontier_logp.shape != frontier_edge_logp.shape or frontier_logp.shape[:1] != pool_logp.shape[:1]:
         raise ValueError(f"frontier_logp {tuple(frontier_logp.shape)} and frontier_edge_logp "
@@ -147,12 +153,12 @@ def decide_after_depth(pool_logp: torch.Tensor, frontier_logp: torch.Tensor, fro
                          f"[{pool_logp.shape[0]}, F] (one row per pool row).")
     valid = torch.ones_like(pool_logp[:, 0], dtype=torch.bool) if row_valid is None else row_valid
     units = _units(pool_logp)  # [B, P]
-    width, rate = _best(units, depth, depth_ms, verify_ms, valid)
+    width, rate = _best(units, depth, depth_ms, verify_ms, valid, scale)
     if depth + 1 == depth_ms.shape[0]:  # static: the table's last depth
         capped = torch.zeros((), dtype=torch.bool, device=pool_logp.device)
         return Decision(width, capped, capped)
     children = _units(frontier_logp.double() + frontier_edge_logp.double())  # [B, F] one predicted child each
-    _, deeper = _best(torch.cat([units, children], 1), depth + 1, depth_ms, verify_ms, valid)
+    _, deeper = _best(torch.cat([units, children], 1), depth + 1, depth_ms, verify_ms, valid, scale)
     stop = deeper <= rate
     return Decision(width, stop, ~stop)
 
@@ -189,19 +195,21 @@ def _ref_units(logp: float) -> int:
     return int(math.floor(math.exp(logp) * PROB_ONE))
 
 
-def reference_expected_tokens(pool: list[list[float]], max_width: int, row_valid: list[bool]) -> list[int]:
+def reference_expected_tokens(pool: list[list[float]], max_width: int, row_valid: list[bool],
+                              scale: int | None = None) -> list[int]:
     width = min(max_width, len(pool[0]))
     totals = [0] * (width + 1)
     for row, live in zip(pool, row_valid):
         if not live:
             continue
         probs = sorted((_ref_units(lp) for lp in row), reverse=True)
-        running = PROB_ONE
+        running = 0
         for n in range(width + 1):
             totals[n] += running
             if n < width:
                 running += probs[n]
-    return totals
+    live = sum(row_valid)
+    return [live * PROB_ONE + (t if scale is None else t * scale // SCALE_ONE) for t in totals]
 
 
 def _ref_best(tokens: list[int], depth: int, depth_ms: list[float], verify_ms: list[float]) -> tuple[int, float]:
@@ -215,20 +223,22 @@ def _ref_best(tokens: list[int], depth: int, depth_ms: list[float], verify_ms: l
 
 
 def reference_verify_width(pool: list[list[float]], depth: int, depth_ms: list[float], verify_ms: list[float],
-                           row_valid: list[bool]) -> int:
-    return _ref_best(reference_expected_tokens(pool, len(verify_ms) - 1, row_valid), depth, depth_ms, verify_ms)[0]
+                           row_valid: list[bool], scale: int | None = None) -> int:
+    return _ref_best(reference_expected_tokens(pool, len(verify_ms) - 1, row_valid, scale), depth, depth_ms,
+                     verify_ms)[0]
 
 
 def reference_decide_after_depth(pool: list[list[float]], frontier: list[list[float]],
                                  frontier_edge: list[list[float]], depth: int, depth_ms: list[float],
-                                 verify_ms: list[float], row_valid: list[bool]) -> tuple[int, bool, bool]:
+                                 verify_ms: list[float], row_valid: list[bool], scale: int | None = None
+                                 ) -> tuple[int, bool, bool]:
     """(width, stop, go), as ``decide_after_depth``."""
-    tokens = reference_expected_tokens(pool, len(verify_ms) - 1, row_valid)
+    tokens = reference_expected_tokens(pool, len(verify_ms) - 1, row_valid, scale)
     width, rate = _ref_best(tokens, depth, depth_ms, verify_ms)
     if depth + 1 == len(depth_ms):
         return width, False, False
     grown = [row + [c + e for c, e in zip(cs, es)] for row, cs, es in zip(pool, frontier, frontier_edge)]
-    deeper = _ref_best(reference_expected_tokens(grown, len(verify_ms) - 1, row_valid), depth + 1, depth_ms,
+    deeper = _ref_best(reference_expected_tokens(grown, len(verify_ms) - 1, row_valid, scale), depth + 1, depth_ms,
                        verify_ms)[1]
     go = deeper > rate
     return width, not go, go
@@ -241,6 +251,6 @@ def reference_next_sampled_depth(go_flags: list[bool], max_depth: int) -> int:
     return min(len(go_flags) + 1, max_depth)
 
 
-__all__ = ["PROB_ONE", "INITIAL_SAMPLED_DEPTH", "Decision", "check_costs", "expected_tokens", "verify_width",
+__all__ = ["PROB_ONE", "SCALE_ONE", "INITIAL_SAMPLED_DEPTH", "Decision", "check_costs", "expected_tokens", "verify_width",
            "decide_after_depth", "next_sampled_depth", "chain_depth_for_batch", "reference_expected_tokens",
            "reference_verify_width", "reference_decide_after_depth", "reference_next_sampled_depth"]

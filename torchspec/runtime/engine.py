@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from torchspec.runtime.controlled_drafting import RoundCosts, check_table_for
+from torchspec.runtime.controlled_drafting import Calibration, RoundCosts, check_table_for
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
@@ -139,6 +139,7 @@ class SpeculativeEngine:
                                  "per-depth graphs land; build the SpeculativeEngine with cuda_graphs=False.")
             check_table_for(controller, spec)
         self.spec, self.controller, self.controller_trace = spec, controller, []
+        self.calibration = Calibration(self.device) if controller is not None else None
         self._per_round_of = {greedy: self._kv_per_round(spec, greedy) for greedy in (True, False)}
         self.scheduler.concurrency = concurrency
         # pages written by plain decoding hold no drafter entries: they are cached apart
@@ -336,7 +337,7 @@ class SpeculativeEngine:
             costs = None
             if self.controller is not None and greedy:  # the round's measured costs at its batch and context
                 costs = RoundCosts.lookup(self.controller, spec, len(active), max(slots[i].ctx for i in rows),
-                                          self.device, self.controller_trace)
+                                          self.calibration, self.controller_trace)
 
             def step(inp, slots, params):
                 return speculate(self.decoder, self.runner, self.caches, inp, spec, params, generator, slots=slots,

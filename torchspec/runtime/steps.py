@@ -196,6 +196,8 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
         res = verify_sampling(tree, process_logits(decoder.logits(out.hidden), params), generator, max_depth=depth,
                               max_tries=spec.max_tries(params))
     a = res.num_accepted  # [B]
+    if costs is not None and params.greedy:  # how far the drafter's confidence was borne out
+        costs.calibration.observe(a, inp.row_valid)
     if isinstance(attend, HybridAttend):  # recurrent state: the accepted path's last node only
         attend.commit(res.path.gather(1, a[:, None])[:, 0], inp.row_valid)
     path, src, dst, emitted = _compaction(a, res.path, res.next_token, tree.tokens, bt, ctx, inp.row_valid,

@@ -1,0 +1,60 @@
+"""`tools/bench_controller.py` on CPU: the controlled pair at the tiny shape, a drafter that agrees and an
+untrained one, a small sweep. Checks the rows (the issue's keys, the best fixed shape beside the controller,
+its decisions), that the untrained drafter's controller verifies almost nothing, and one-line errors.
+CPU times mean nothing: no speedup is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.tool_loader import load_tool
+
+ARGS = ["--shape", "tiny", "--concurrency", "1,2", "--chains", "1,3", "--trees", "2x2x3,3x2x4",
+        "--max-new-tokens", "12", "--prompt-len", "8", "--repeats", "1", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return load_tool("bench_controller")
+
+
+@pytest.fixture(scope="module")
+def result(tool, tmp_path_factory):
+    out = tmp_path_factory.mktemp("controller") / "controller.json"
+    tool.main([*ARGS, "--noise", "0.0,untrained", "--out", str(out)])
+    return json.loads(out.read_text()), out
+
+
+def test_rows_hold_the_issue_keys_and_the_best_fixed_shape(result):
+    data, out = result
+    rows = data["rows"]
+    assert [(r["drafter"], r["concurrency"]) for r in rows] == [
+        ("controlled_noise0.0", 1), ("controlled_noise0.0", 2), ("untrained", 1), ("untrained", 2)]
+    for r in rows:
+        for key in ("drafter", "target", "mode", "concurrency", "temperature", "speedup", "acceptance",
+                    "best_fixed", "best_fixed_speedup", "decisions", "sweep"):
+            assert key in r, key
+        assert r["best_fixed"] in r["sweep"] and set(r["sweep"]) == {"chain1", "chain3", "tree2x2x3", "tree3x2x4"}
+        assert r["within"] == "tree3x2x4" and sum(n for _, _, n in r["decisions"]) > 0
+        assert all(1 <= d <= 3 and 0 <= w <= 4 for d, w, _ in r["decisions"])
+    assert data["cuda_graphs"] is False and out.with_suffix(".costs.json").is_file()
+
+
+def test_the_untrained_drafter_is_not_verified_and_the_good_one_is(result):
+    rows = {(r["drafter"], r["concurrency"]): r for r in result[0]["rows"]}
+    rounds = [(w, n) for c in (1, 2) for _, w, n in rows[("untrained", c)]["decisions"]]
+    plain_rounds = sum(n for w, n in rounds if w == 0)
+    assert plain_rounds >= 0.7 * sum(n for _, n in rounds)  # decodes plainly once its confidence is calibrated
+    assert rows[("untrained", 1)]["acceptance"] == pytest.approx(1.0, abs=0.05)
+    assert rows[("controlled_noise0.0", 1)]["sweep"]["chain3"]["acceptance"] > 1.5  # the pair agrees
+
+
+@pytest.mark.parametrize("bad, message", [(["--trees", "5x8"], "--trees entry"), (["--concurrency", "0"], "--concurrency"),
+                                          (["--costs", "/nonexistent.json"], "--costs"), (["--repeats", "0"], "--repeats")])
+def test_bad_options_are_one_line_errors(tool, tmp_path, capsys, bad, message):
+    with pytest.raises(SystemExit) as err:
+        tool.main([*ARGS, *bad, "--out", str(tmp_path / "x.json")])
+    assert err.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,206 @@
+"""The draft controller against the best fixed shape a sweep finds, and against no speculation (issue 14).
+
+For each drafter and concurrency the same engine decodes the same prompts plainly, with every fixed
+shape of the sweep (``--chains`` depths, ``--trees`` depth x topk x nodes), and with the controller
+(``engine.generate(..., controller=table)``) choosing each greedy round's depth and width within the
+sweep's largest tree. The best fixed shape and the controller are then timed again in ``--repeats``
+pairs with plain decoding (``recipes.bench.paired_timings``: the speedups quoted are those medians).
+The cost table comes from ``--costs`` (``torchspec-profile``; refused if its key is another setup's) or,
+without it, is measured here first on the same engine (``torchspec.runtime.cost_profile``) and written
+to ``--costs-out``.
+
+Drafters: the controlled-acceptance pair of ``tools/bench_runtime_efficiency.py`` at ``--shape``, one
+drafter per ``--noise`` value (``untrained``: a drafter that agrees with nothing, ~0 acceptance), or a
+real target with exported drafters (``--target``, ``--drafter name=path``; ``untrained`` there too).
+
+The controller runs host-chained without CUDA graphs until its per-depth graphs land, so every run here
+(plain, fixed, controller) uses the same engine without graphs (``"cuda_graphs": false`` in the JSON):
+compare rows within this file only. Rows (``--out``, JSON, atomic, rewritten after each row) hold
+``drafter, target, mode, concurrency, temperature, speedup, acceptance``, the best fixed shape and its
+speedup beside the controller's, and the controller's (depth, width) decisions.
+
+    python tools/bench_controller.py --shape smollm2-135m --noise 0.0,0.3,untrained --concurrency 1,8,64 \\
+        --out docs/bench/controller_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from collections import Counter
+from functools import partial
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+from recipes.bench import csv_values, measure, paired_fields, paired_timings  # noqa: E402
+from torchspec.cli import check_at_least, user_errors  # noqa: E402
+from torchspec.io import atomic_write_text  # noqa: E402
+from torchspec.runtime.drafting import SpecConfig  # noqa: E402
+from torchspec.runtime.sampling import SamplingParams  # noqa: E402
+
+UNTRAINED_NOISE = 50.0  # eh_proj noise that leaves the controlled drafter agreeing with nothing
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="smollm2-135m", help="controlled pair shape (tools/bench_runtime_efficiency.py)")
+    p.add_argument("--noise", default="0.0,untrained", help="controlled drafters: eh_proj noise values or 'untrained'")
+    p.add_argument("--target", help="a real target instead of the controlled pair (dir | .gguf | alias)")
+    p.add_argument("--drafter", action="append", default=[], help="name=export (repeatable; 'untrained' alone too)")
+    p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--chains", default="1,2,3,4,5,6", help="fixed chain depths of the sweep")
+    p.add_argument("--trees", default="3x4x8,4x4x16,5x8x32", help="fixed greedy trees of the sweep: DxKxN")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="paired re-timings of the best fixed shape and the controller")
+    p.add_argument("--costs", help="a torchspec-profile table of this setup (default: measure it here)")
+    p.add_argument("--costs-out", help="where a table measured here is written (default: beside --out)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--debug", action="store_true")
+    return p
+
+
+def parse_tree(text: str) -> SpecConfig:
+    try:
+        d, k, n = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--trees entry {text!r} must read DEPTHxTOPKxNODES, e.g. 5x8x32") from None
+    spec = SpecConfig(shape="tree", depth=d, topk=k, num_nodes=n)
+    spec.validate()
+    return spec
+
+
+def check_args(args) -> dict:
+    """Every option before a model loads."""
+    for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
+                    ("--prompt-len", args.prompt_len)):
+        check_at_least(flag, v, 1)
+    chains = [SpecConfig(shape="chain", depth=d) for d in csv_values("--chains", args.chains, int)]
+    for c in chains:
+        c.validate()
+    trees = [parse_tree(t) for t in csv_values("--trees", args.trees)]
+    levels = csv_values("--concurrency", args.concurrency, int)
+    if min(levels) < 1:
+        raise ValueError(f"--concurrency={args.concurrency!r}: every level must be >= 1.")
+    controlled = SpecConfig(shape="tree", depth=max(s.depth for s in trees), topk=max(s.topk for s in trees),
+                            num_nodes=max(s.num_nodes for s in trees))
+    controlled.validate()
+    if args.costs and not pathlib.Path(args.costs).is_file():
+        raise ValueError(f"--costs {args.costs} does not exist; run torchspec-profile first or leave --costs out.")
+    return {"shapes": chains + trees, "levels": levels, "controlled": controlled,
+            "noise": [] if args.target else csv_values("--noise", args.noise)}
+
+
+def engines(args, checked: dict, max_batch: int, max_context: int):
+    """(drafter name, engine) pairs, built one at a time (graphs off: module docstring)."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.target is None:
+        from bench_runtime_efficiency import build_engine, set_noise
+
+        # the controller is host-chained: every run of this file without graphs
+        engine = build_engine(args.shape, 0.3, max_batch, max_context, args.seed, device=device, cuda_graphs=False)
+        for noise in checked["noise"]:
+            set_noise(engine, UNTRAINED_NOISE if noise == "untrained" else float(noise), args.seed)
+            yield ("untrained" if noise == "untrained" else f"controlled_noise{noise}"), engine
+        return
+    from torchspec.runtime.loading import load_engine
+
+    for pair in args.drafter:
+        name, _, path = pair.partition("=")
+        engine = load_engine(args.target, path or None, device=device, max_batch=max_batch, max_context=max_context,
+                             cuda_graphs=False)
+        yield name, engine
+
+
+def cost_table(args, engine, controlled: SpecConfig):
+    from torchspec.runtime.cost_profile import profile_costs
+    from torchspec.runtime.cost_table import CostTable, cost_key
+
+    if args.costs:
+        return CostTable.load(args.costs, cost_key(engine.decoder, engine.runner))
+    n = controlled.num_nodes
+    table = profile_costs(engine, batches=sorted(set(csv_values("--concurrency", args.concurrency, int))),
+                          contexts=[args.prompt_len + args.max_new_tokens // 2], widths=sorted({1, controlled.topk}),
+                          nodes=[m for m in (0, 1, 2, 4, 8, 16, 32, 48, 64) if m < n] + [n],
+                          repeats=max(3, args.repeats))
+    table.save(args.costs_out or pathlib.Path(args.out).with_suffix(".costs.json"))
+    return table
+
+
+def bench(args) -> dict:
+    checked = check_args(args)
+    levels, shapes, controlled = checked["levels"], checked["shapes"], checked["controlled"]
+    g = torch.Generator().manual_seed(args.seed)
+    rows, out = [], {"cuda_graphs": False, "args": vars(args), "rows": []}
+    for name, engine in engines(args, checked, max(levels), args.prompt_len + args.max_new_tokens + 160):
+        vocab = engine.decoder.vocab_size
+        prompts = torch.randint(0, vocab, (max(levels), args.prompt_len), generator=g).tolist()
+        table = cost_table(args, engine, controlled)
+        out["device"] = table.key.device
+        target = args.target or args.shape
+        for c in levels:
+            run = partial(measure, engine, prompts[:c], params=SamplingParams(), max_new=args.max_new_tokens,
+                          seed=args.seed, concurrency=c)
+            for spec, ctl in [(None, None), *[(s, None) for s in shapes], (controlled, table)]:  # compiles, warm-up
+                engine.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c, controller=ctl)
+            plain = run(spec=None)
+            fixed = {_label(s): run(spec=s) for s in shapes}
+            best = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
+            best_spec = next(s for s in shapes if _label(s) == best)
+            decisions = Counter()
+            paired_best = paired_timings(partial(run, spec=None), partial(run, spec=best_spec), args.repeats)
+            paired_ctl = paired_timings(partial(run, spec=None),
+                                        partial(controller_run, run, engine, controlled, table, decisions), args.repeats)
+            rows.append({"drafter": name, "target": target, "mode": "controller", "concurrency": c, "temperature": 0.0,
+                         **paired_fields(paired_ctl), "acceptance": paired_ctl["spec"]["mean_acceptance"],
+                         "within": _label(controlled), "best_fixed": best,
+                         "best_fixed_speedup": paired_best["speedup"],
+                         "best_fixed_acceptance": paired_best["spec"]["mean_acceptance"],
+                         "controller_vs_best_fixed": paired_ctl["speedup"] / paired_best["speedup"],
+                         "decisions": [[d, w, n] for (d, w), n in sorted(decisions.items())],
+                         "sweep": {k: {"speedup": v["tokens_per_s"] / plain["tokens_per_s"],
+                                       "acceptance": v["mean_acceptance"]} for k, v in fixed.items()}})
+            print(format_row(rows[-1]), flush=True)
+            out["rows"] = rows
+            write(args.out, out)
+    return out
+
+
+def controller_run(run, engine, spec: SpecConfig, table, decisions: Counter) -> dict:
+    """``run`` with the controller; every generate starts its own trace, so each run's decisions are counted."""
+    result = run(spec=spec, controller=table)
+    decisions.update(engine.controller_trace)
+    return result
+
+
+def _label(spec: SpecConfig) -> str:
+    return f"chain{spec.depth}" if spec.shape == "chain" else f"tree{spec.depth}x{spec.topk}x{spec.num_nodes}"
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['drafter']:<22} c={r['concurrency']:<3} controller x{r['speedup']:.2f} (acceptance "
+            f"{r['acceptance']:.2f})  best fixed {r['best_fixed']} x{r['best_fixed_speedup']:.2f}  "
+            f"ratio {r['controller_vs_best_fixed']:.2f}")
+
+
+def write(path: str, out: dict) -> None:
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(out, indent=1))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    with user_errors("bench_controller", args.debug):
+        return bench(args)
+
+
+if __name__ == "__main__":
+    main()
