@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
 from torchspec.runtime.controlled_drafting import Calibration
 from torchspec.runtime.controller_policy import SCALE_ONE
-from torchspec.runtime.cost_table import CostTable, cost_key
+from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafting import SpecConfig
 from torchspec.runtime.loading import load_engine
 
@@ -65,18 +66,7 @@ def plain(engine, tiny_tokenizer):
 
 
 def table(engine, depth: float, verify_per_node: float, *, noise: float = 0.0, seed: int = 0) -> CostTable:
-    """A table of this engine's key: a depth costs ``depth`` ms, a plain step 1 ms, each verified node
-    ``verify_per_node`` ms more (``noise``: random multiplicative jitter, so decisions vary)."""
-    g = torch.Generator().manual_seed(seed)
-    widths, batches, contexts = [1, 2, 3], [1, 4], [16, 256]
-
-    def jitter(*shape: int) -> torch.Tensor:
-        return 1 + noise * torch.rand(*shape, generator=g, dtype=torch.float64)
-
-    d = depth * jitter(len(contexts), len(batches), len(widths))
-    v = (1 + verify_per_node * torch.tensor(NODES, dtype=torch.float64)) * jitter(len(contexts), len(batches), len(NODES))
-    return CostTable(key=cost_key(engine.decoder, engine.runner), widths=widths, nodes=NODES, batches=batches,
-                     contexts=contexts, depth=d, verify=v.cummax(-1).values, meta={})
+    return linear_table(engine, depth, verify_per_node, widths=[1, 2, 3], nodes=NODES, noise=noise, seed=seed)
 
 
 def run(engine, tokenizer, n: int, spec: SpecConfig, costs: CostTable):

@@ -26,6 +26,7 @@ verification rule, no compaction, or per-row settings applied to the wrong rows)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from transformers import AutoModelForCausalLM
 
 import torchspec.runtime.loading
 import torchspec.runtime.steps
+from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
 from tests.stats import chi2_pvalue
 from torchspec.runtime import verify
@@ -145,10 +147,11 @@ def target_joint(pair):
     return joint
 
 
-def run(engine, spec: SpecConfig | None, params: SamplingParams, seed: int) -> tuple[torch.Tensor, float]:
+def run(engine, spec: SpecConfig | None, params: SamplingParams, seed: int, controller=None
+        ) -> tuple[torch.Tensor, float]:
     """Generate OUT tokens for ROWS copies of PROMPT -> (counts [V] * OUT, mean acceptance)."""
     results = engine.generate([PROMPT] * ROWS, max_new_tokens=OUT, sampling=params, spec=spec, seed=seed,
-                              ignore_eos=True)
+                              ignore_eos=True, controller=controller)
     assert engine.free_pages == engine.total_pages
     assert all(len(r.token_ids) == OUT and r.finish_reason == "length" for r in results)
     tokens = torch.tensor([r.token_ids for r in results])  # [ROWS, OUT]
@@ -173,6 +176,18 @@ def test_tokens_follow_target(engine, target_joint, case):
     assert min(ps.values()) > 1e-3
     if spec is not None:  # the pair agrees often: multi-token accepted spans really happen
         assert acceptance > (1.3 if spec.shape == "chain" else 1.2)
+
+
+def test_sampled_rounds_under_the_controller_follow_target(engine, target_joint):
+    """The draft controller sets each sampled round's depth from the previous round's draws (fixed before the
+    round's own): the output is still the target's (the positive controls above show the power at this size)."""
+    table = linear_table(engine, 0.01, 0.02, widths=[1, 2, 4, 8], nodes=list(range(33)))
+    counts, acceptance = run(engine, SAMPLED_TREE, T1, seed=77, controller=table)
+    ps = pvalues(counts, target_joint(T1))
+    depths = collections.Counter(engine.sampled_depths)
+    print(f"controller: p {ps}, mean acceptance {acceptance:.3f}, sampled depths {dict(depths)}")
+    assert min(ps.values()) > 1e-3
+    assert len(depths) >= 2 and acceptance > 1.2  # the depth really changed between rounds
 
 
 @pytest.mark.parametrize("control", list(CONTROLS))

@@ -9,6 +9,14 @@ nodes that maximise expected tokens per ms -- none at all when the drafter is no
 the round is then a plain decode step (plus the drafter's depth 0 and catch-up, which keep the
 drafter's state current for the next round).
 
+**Sampled rounds** (T > 0, a sampled tree) must fix their shape before their draws (choosing nodes by
+the confidences just drawn would bias the output): each drafts the depth at which the *previous*
+sampled round's criterion stopped (``controller_policy.next_sampled_depth``; one level more when it
+never stopped, up to ``spec.depth``), starting from ``INITIAL_SAMPLED_DEPTH``. The criterion is
+evaluated after the round on its own tree (``sampled_go_flags``: each level's nodes scored by the
+probability their draft distribution gave them) and verifies every drafted node, as the fixed sampled
+tree does. Rounds with deterministic candidates at T > 0 keep ``spec``'s fixed shape.
+
 **Host-chained.** The go flag is read on the host after every depth (one sync a depth) and the width
 once per round: the fallback the issue keeps behind a flag. The device-chained rounds (the flags read
 by a one-thread kernel that launches the next depth's graph) need per-depth CUDA graphs and land with
@@ -41,6 +49,7 @@ from torchspec.runtime.controller_policy import (
     Decision,
     decide_after_depth,
     expected_tokens,
+    next_sampled_depth,
 )
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
@@ -92,6 +101,8 @@ class RoundCosts:
     verify_ms: torch.Tensor
     calibration: Calibration
     trace: list[tuple[int, int]] = field(default_factory=list)
+    max_sampled_depth: int = 0  # sampled rounds: the deepest they may grow (spec's depth)
+    sampled_next: torch.Tensor | None = None  # sampled rounds: the next round's depth (0-d, set by speculate)
 
     @classmethod
     def lookup(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, calibration: Calibration,
@@ -105,6 +116,25 @@ class RoundCosts:
         depth_ms = torch.cat([one[None], wide.expand(spec.depth - 1)]).to(device)
         verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1].to(device)
         return cls(depth_ms, verify_ms, calibration, [] if trace is None else trace)
+
+
+    @classmethod
+    def lookup_sampled(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, calibration: Calibration
+                       ) -> RoundCosts:
+        """A sampled round's costs for every depth ``spec`` allows: level d >= 1 is a drafter forward over
+        the previous level's prod(widths[:d]) nodes (the nearest measured width at or above it, else the
+        widest), level 0 the width-1 step; verification up to every node of the deepest tree."""
+        sampled = SamplingParams(temperature=1.0)
+        widths = spec.widths(sampled)
+        depth_row, device = table.depth_ms(batch, ctx), calibration.accepted.device
+        levels, front = [], 1
+        for d in range(spec.depth):
+            fits = [i for i, w in enumerate(table.widths) if w >= front]
+            levels.append(depth_row[fits[0] if fits else -1])
+            front *= widths[d]
+        most = min(spec.num_drafted(sampled), table.nodes[-1])
+        verify_ms = table.verify_ms(batch, ctx)[: most + 1]
+        return cls(torch.stack(levels).to(device), verify_ms.to(device), calibration, max_sampled_depth=spec.depth)
 
 
 def check_table_for(table: CostTable, spec: SpecConfig) -> None:
@@ -160,6 +190,37 @@ def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: Draft
                      dist_index=torch.full((b, width + 1), -1, dtype=torch.long, device=dev))
 
 
+def sampled_go_flags(tree: DraftTree, depth: int, costs: RoundCosts, row_valid: torch.Tensor) -> torch.Tensor:
+    """The criterion after each of a sampled tree's ``depth`` levels, on the tree just drafted -> go flags
+    [depth] (bool, no host read): a node's confidence is the probability its parent's processed draft
+    distribution gave its token, cumulative along its path; levels beyond the table's are not evaluated."""
+    b, n = tree.tokens.shape
+    v = tree.dists.shape[-1]
+    parent = tree.parents.clamp(min=0)
+    row_of = tree.dist_index.gather(1, parent).clamp(min=0)  # [B, N] the parent's distribution row
+    q = tree.dists.reshape(b, -1).gather(1, row_of * v + tree.tokens)  # [B, N]
+    drafted = (tree.depths > 0) & tree.valid
+    edge = torch.where(drafted, torch.log(q.float()), float("-inf"))
+    cum = torch.where(drafted, edge, 0.0)
+    for _ in range(depth):  # pointer passes: after k, every node of depth <= k + 1 holds its path's sum
+        cum = torch.where(tree.depths > 1, edge + cum.gather(1, parent), cum)
+    cum = torch.where(drafted, cum, float("-inf"))
+    scale, flags = costs.calibration.scale(), []
+    for level in range(1, min(depth, costs.depth_ms.shape[0]) + 1):
+        pool = torch.where(tree.depths <= level, cum, float("-inf"))[:, 1:]  # [B, N - 1] the levels so far
+        at = tree.depths[:, 1:] == level
+        front = torch.where(at, cum[:, 1:], float("-inf"))
+        decision = decide_after_depth(pool, front, torch.where(at, edge[:, 1:], float("-inf")), level - 1,
+                                      costs.depth_ms, costs.verify_ms, row_valid, scale)
+        flags.append(decision.go)
+    return torch.stack(flags)
+
+
+def next_depth_after_sampled(tree: DraftTree, depth: int, costs: RoundCosts, row_valid: torch.Tensor) -> torch.Tensor:
+    """The next sampled round's depth (0-d int64) from this round's tree (module docstring)."""
+    return next_sampled_depth(sampled_go_flags(tree, depth, costs, row_valid), costs.max_sampled_depth)
+
+
 def _decide(pool_sc: list[torch.Tensor], front_sc: torch.Tensor, front_edge: torch.Tensor, depth: int,
             costs: RoundCosts, row_valid: torch.Tensor, scale: torch.Tensor) -> Decision:
     return decide_after_depth(torch.cat(pool_sc, 1), front_sc, front_edge, depth, costs.depth_ms, costs.verify_ms,
@@ -174,4 +235,4 @@ def _root_only(root: torch.Tensor) -> DraftTree:
                      sampled=torch.zeros_like(zeros, dtype=torch.bool), sibling_rank=zeros, dist_index=zeros - 1)
 
 
-__all__ = ["Calibration", "RoundCosts", "check_table_for", "draft_controlled_tree"]
+__all__ = ["Calibration", "RoundCosts", "next_depth_after_sampled", "sampled_go_flags", "check_table_for", "draft_controlled_tree"]

@@ -40,6 +40,7 @@ import time
 import torch
 
 from torchspec.runtime.controlled_drafting import Calibration, RoundCosts, check_table_for
+from torchspec.runtime.controller_policy import INITIAL_SAMPLED_DEPTH
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
@@ -140,6 +141,8 @@ class SpeculativeEngine:
             check_table_for(controller, spec)
         self.spec, self.controller, self.controller_trace = spec, controller, []
         self.calibration = Calibration(self.device) if controller is not None else None
+        self.sampled_depth = min(INITIAL_SAMPLED_DEPTH, spec.depth) if spec is not None else 0
+        self.sampled_depths: list[int] = []  # the depth of every controlled sampled round
         self._per_round_of = {greedy: self._kv_per_round(spec, greedy) for greedy in (True, False)}
         self.scheduler.concurrency = concurrency
         # pages written by plain decoding hold no drafter entries: they are cached apart
@@ -329,15 +332,13 @@ class SpeculativeEngine:
         bt = self.block_table[index, :cols]
         params = self._sampling(rows, active, greedy)
         generator = self.generator if self.graphs is None else None
+        costs = None
         if spec is None:
             def step(bt, ctx, root, valid, slots, params):
                 return plain_step(self.decoder, self.caches, bt, ctx, root, valid, params, generator, slots=slots)
             args = {"bt": bt, "ctx": ctx, "root": self.root[index], "valid": valid, "slots": index, "params": params}
         else:
-            costs = None
-            if self.controller is not None and greedy:  # the round's measured costs at its batch and context
-                costs = RoundCosts.lookup(self.controller, spec, len(active), max(slots[i].ctx for i in rows),
-                                          self.calibration, self.controller_trace)
+            spec, costs = self._controlled(spec, params, len(active), max(slots[i].ctx for i in rows))
 
             def step(inp, slots, params):
                 return speculate(self.decoder, self.runner, self.caches, inp, spec, params, generator, slots=slots,
@@ -350,6 +351,8 @@ class SpeculativeEngine:
         out = step(**args) if self.graphs is None else self._run_graph(key, step, args)
         self._store(index, out)
         committed = torch.cat([out.count[:, None], out.tokens], 1).tolist()  # the round's one host sync
+        if spec is not None and costs is not None and costs.sampled_next is not None:
+            self.sampled_depth = int(costs.sampled_next)
         dt = time.perf_counter() - t0
         for i, j in zip(rows, position):
             count, *tokens = committed[j]
@@ -358,6 +361,20 @@ class SpeculativeEngine:
             result = s.request.result
             result.decode_s += dt
             result.accept_lengths.append(sch.commit(i, tokens[:count]))  # a stop or the limit may cut the round
+
+    def _controlled(self, spec: SpecConfig, params, batch: int, ctx: int) -> tuple[SpecConfig, RoundCosts | None]:
+        """The round's shape and costs under the draft controller (``controlled_drafting``): a greedy round
+        chooses within ``spec``; a sampled tree drafts the depth the previous sampled round chose; rounds of
+        deterministic candidates at T > 0 (and every round without a controller) keep ``spec``."""
+        if self.controller is None:
+            return spec, None
+        if params.greedy:
+            return spec, RoundCosts.lookup(self.controller, spec, batch, ctx, self.calibration, self.controller_trace)
+        if spec.sampled(params):
+            costs = RoundCosts.lookup_sampled(self.controller, spec, batch, ctx, self.calibration)
+            self.sampled_depths.append(self.sampled_depth)
+            return dataclasses.replace(spec, depth=self.sampled_depth), costs
+        return spec, None
 
     def table_columns_for(self, keys: int) -> int:
         """``paged_kv.table_columns`` of this engine's table: each width is its own CUDA graph."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from torchspec.attend import in_window
-from torchspec.runtime.controlled_drafting import RoundCosts, draft_controlled_tree
+from torchspec.runtime.controlled_drafting import RoundCosts, draft_controlled_tree, next_depth_after_sampled
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, draft_round
 from torchspec.runtime.paged_kv import (
@@ -183,6 +183,8 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
         tree = draft_controlled_tree(runner, caches.drafter, inp, spec, costs)
     else:
         tree = draft_round(runner, caches.drafter, inp, spec, params, generator)
+        if costs is not None and spec.sampled(params):  # the next sampled round's depth, fixed before its draws
+            costs.sampled_next = next_depth_after_sampled(tree, spec.depth, costs, inp.row_valid)
     b = tree.tokens.shape[0]
     depth = min(spec.depth, tree.num_nodes - 1)  # static: a tree of fewer nodes (a controlled width) is shallower
     ctx, bt = inp.ctx_len, inp.block_table
