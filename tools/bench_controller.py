@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="smollm2-135m", help="controlled pair shape (tools/bench_runtime_efficiency.py)")
     p.add_argument("--noise", default="0.0,untrained", help="controlled drafters: eh_proj noise values or 'untrained'")
     p.add_argument("--target", help="a real target instead of the controlled pair (dir | .gguf | alias)")
-    p.add_argument("--drafter", action="append", default=[], help="name=export (repeatable; 'untrained' alone too)")
+    p.add_argument("--drafter", action="append", default=[],
+                   help="name=export (repeatable); untrained=export: that architecture re-initialised (training's step 0)")
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--chains", default="1,2,3,4,5,6", help="fixed chain depths of the sweep")
     p.add_argument("--trees", default="3x4x8,4x4x16,5x8x32", help="fixed greedy trees of the sweep: DxKxN")
@@ -93,6 +94,11 @@ def check_args(args) -> dict:
     controlled = SpecConfig(shape="tree", depth=max(s.depth for s in trees), topk=max(s.topk for s in trees),
                             num_nodes=max(s.num_nodes for s in trees))
     controlled.validate()
+    if args.target and not args.drafter:
+        raise ValueError("--target needs at least one --drafter name=export (untrained=export for an untrained one).")
+    for pair in args.drafter:
+        if "=" not in pair or not pathlib.Path(pair.partition("=")[2]).is_dir():
+            raise ValueError(f"--drafter {pair!r} must read name=<export dir> with an existing export dir.")
     if args.costs and not pathlib.Path(args.costs).is_file():
         raise ValueError(f"--costs {args.costs} does not exist; run torchspec-profile first or leave --costs out.")
     return {"shapes": chains + trees, "levels": levels, "controlled": controlled,
@@ -115,9 +121,24 @@ def engines(args, checked: dict, max_batch: int, max_context: int):
 
     for pair in args.drafter:
         name, _, path = pair.partition("=")
-        engine = load_engine(args.target, path or None, device=device, max_batch=max_batch, max_context=max_context,
-                             cuda_graphs=False)
+        untrained = name == "untrained"
+        engine = load_engine(args.target, path, device=device, max_batch=max_batch, max_context=max_context,
+                             cuda_graphs=False, fuse=not untrained)
+        if untrained:  # the export's architecture at training step 0 (fused for serving after the re-init)
+            untrain(engine.runner.model, args.seed)
+            engine.decoder.fuse_for_serving()
+            engine.runner.fuse_for_serving()
         yield name, engine
+
+
+@torch.no_grad()
+def untrain(model, seed: int) -> None:
+    """A drafter as training starts it: every module re-initialised by the model's own rule, except the
+    embedding and LM head, which training copies from the target (``init_from_target``) and keeps."""
+    torch.manual_seed(seed)
+    for name, module in model.named_modules():
+        if module is not model and not name.startswith(("lm_head", "embed_tokens")):
+            model._init_weights(module)
 
 
 def cost_table(args, engine, controlled: SpecConfig):

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tests.cost_tables import linear_table
 from tests.tool_loader import load_tool
 
 ARGS = ["--shape", "tiny", "--concurrency", "1,2", "--chains", "1,3", "--trees", "2x2x3,3x2x4",
@@ -22,8 +23,15 @@ def tool():
 
 @pytest.fixture(scope="module")
 def result(tool, tmp_path_factory):
-    out = tmp_path_factory.mktemp("controller") / "controller.json"
-    tool.main([*ARGS, "--noise", "0.0,untrained", "--out", str(out)])
+    """A run on a hand-built table of the tool's own engine key (CPU-measured times would make the decisions
+    noise): a depth 2% and a verified node 10% of a plain step."""
+    root = tmp_path_factory.mktemp("controller")
+    args = tool.build_parser().parse_args([*ARGS, "--noise", "0.0", "--out", str(root / "unused.json")])
+    _, engine = next(tool.engines(args, tool.check_args(args), 2, 64))
+    costs = root / "costs.json"
+    linear_table(engine, 0.02, 0.1, widths=[1, 2], nodes=list(range(5))).save(costs)
+    out = root / "controller.json"
+    tool.main([*ARGS, "--noise", "0.0,untrained", "--costs", str(costs), "--out", str(out)])
     return json.loads(out.read_text()), out
 
 
@@ -39,7 +47,7 @@ def test_rows_hold_the_issue_keys_and_the_best_fixed_shape(result):
         assert r["best_fixed"] in r["sweep"] and set(r["sweep"]) == {"chain1", "chain3", "tree2x2x3", "tree3x2x4"}
         assert r["within"] == "tree3x2x4" and sum(n for _, _, n in r["decisions"]) > 0
         assert all(1 <= d <= 3 and 0 <= w <= 4 for d, w, _ in r["decisions"])
-    assert data["cuda_graphs"] is False and out.with_suffix(".costs.json").is_file()
+    assert data["cuda_graphs"] is False and not out.with_suffix(".costs.json").exists()  # --costs: none measured
 
 
 def test_the_untrained_drafter_is_not_verified_and_the_good_one_is(result):
@@ -52,9 +60,34 @@ def test_the_untrained_drafter_is_not_verified_and_the_good_one_is(result):
 
 
 @pytest.mark.parametrize("bad, message", [(["--trees", "5x8"], "--trees entry"), (["--concurrency", "0"], "--concurrency"),
-                                          (["--costs", "/nonexistent.json"], "--costs"), (["--repeats", "0"], "--repeats")])
+                                          (["--costs", "/nonexistent.json"], "--costs"), (["--repeats", "0"], "--repeats"),
+                                          (["--target", "x"], "--target needs"),
+                                          (["--target", "x", "--drafter", "untrained"], "name=<export dir>")])
 def test_bad_options_are_one_line_errors(tool, tmp_path, capsys, bad, message):
     with pytest.raises(SystemExit) as err:
         tool.main([*ARGS, *bad, "--out", str(tmp_path / "x.json")])
     assert err.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_real_target_with_its_drafter_untrained(tool, tmp_path, tiny_tokenizer):
+    """--target with exported drafters, one of them re-initialised as training starts it: it is served (its rows
+    exist) and its layer really differs from the export's."""
+    from tests.runtime_pair import build_pair
+
+    target, drafter = build_pair(tmp_path / "pair", tiny_tokenizer, num_layers=4)
+    out = tmp_path / "real.json"
+    tool.main(["--target", target, "--drafter", f"good={drafter}", "--drafter", f"untrained={drafter}",
+               "--concurrency", "1", "--chains", "2", "--trees", "2x2x3", "--max-new-tokens", "8", "--prompt-len", "6",
+               "--repeats", "1", "--device", "cpu", "--out", str(out)])
+    rows = {r["drafter"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"good", "untrained"}
+    assert rows["good"]["sweep"]["chain2"]["acceptance"] > rows["untrained"]["sweep"]["chain2"]["acceptance"]
+
+
+def test_without_a_table_the_costs_are_measured_and_written(tool, tmp_path):
+    out = tmp_path / "c.json"
+    tool.main(["--shape", "tiny", "--noise", "0.0", "--concurrency", "1", "--chains", "1", "--trees", "2x2x3",
+               "--max-new-tokens", "6", "--prompt-len", "6", "--repeats", "1", "--device", "cpu", "--out", str(out)])
+    table = json.loads(out.with_suffix(".costs.json").read_text())
+    assert table["version"] == 1 and table["nodes"][0] == 0 and table["batches"] == [1]

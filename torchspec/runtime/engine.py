@@ -140,7 +140,11 @@ class SpeculativeEngine:
                                  "per-depth graphs land; build the SpeculativeEngine with cuda_graphs=False.")
             check_table_for(controller, spec)
         self.spec, self.controller, self.controller_trace = spec, controller, []
-        self.calibration = Calibration(self.device) if controller is not None else None
+        # the drafter's calibration lives as long as its cost table: a plain run in between keeps it
+        kept = self.__dict__.setdefault("_calibrations", {})
+        if controller is not None and kept.get(id(controller), (None,))[0] is not controller:
+            kept[id(controller)] = (controller, Calibration(self.device))
+        self.calibration = kept[id(controller)][1] if controller is not None else None
         self.sampled_depth = min(INITIAL_SAMPLED_DEPTH, spec.depth) if spec is not None else 0
         self.sampled_depths: list[int] = []  # the depth of every controlled sampled round
         self._per_round_of = {greedy: self._kv_per_round(spec, greedy) for greedy in (True, False)}
