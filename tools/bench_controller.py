@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="a real target instead of the controlled pair (dir | .gguf | alias)")
     p.add_argument("--drafter", action="append", default=[],
                    help="name=export (repeatable); untrained=export: that architecture re-initialised (training's step 0)")
+    p.add_argument("--prompt-set", help="with --target: prompts of a set (mtbench, humaneval, a file), chat-rendered; "
+                                        "default: random tokens (the controlled pair's only choice)")
+    p.add_argument("--cache-dir", default="~/.cache/torchspec", help="where a .gguf target is converted once")
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--chains", default="1,2,3,4,5,6", help="fixed chain depths of the sweep")
     p.add_argument("--trees", default="3x4x8,4x4x16,5x8x32", help="fixed greedy trees of the sweep: DxKxN")
@@ -94,6 +97,8 @@ def check_args(args) -> dict:
     controlled = SpecConfig(shape="tree", depth=max(s.depth for s in trees), topk=max(s.topk for s in trees),
                             num_nodes=max(s.num_nodes for s in trees))
     controlled.validate()
+    if args.prompt_set and not args.target:
+        raise ValueError("--prompt-set needs --target (the controlled pair has no tokenizer: random tokens).")
     if args.target and not args.drafter:
         raise ValueError("--target needs at least one --drafter name=export (untrained=export for an untrained one).")
     for pair in args.drafter:
@@ -123,7 +128,7 @@ def engines(args, checked: dict, max_batch: int, max_context: int):
         name, _, path = pair.partition("=")
         untrained = name == "untrained"
         engine = load_engine(args.target, path, device=device, max_batch=max_batch, max_context=max_context,
-                             cuda_graphs=False, fuse=not untrained)
+                             cuda_graphs=False, fuse=not untrained, cache_dir=str(pathlib.Path(args.cache_dir).expanduser()))
         if untrained:  # the export's architecture at training step 0 (fused for serving after the re-init)
             untrain(engine.runner.model, args.seed)
             engine.decoder.fuse_for_serving()
@@ -139,6 +144,17 @@ def untrain(model, seed: int) -> None:
     for name, module in model.named_modules():
         if module is not model and not name.startswith(("lm_head", "embed_tokens")):
             model._init_weights(module)
+
+
+def bench_prompts(args, engine, n: int, g: torch.Generator) -> list[list[int]]:
+    """``n`` prompts: a chat-rendered set (repeated to ``n``, cut to ``--prompt-len`` tokens from the end, so
+    every row starts alike) or random tokens."""
+    if args.prompt_set:
+        from torchspec.runtime.prompts import load_prompt_set, render_prompts
+
+        ids = render_prompts(engine.tokenizer, load_prompt_set(args.prompt_set))
+        return [p[-args.prompt_len:] for p in (ids * (1 + n // len(ids)))[:n]]
+    return torch.randint(0, engine.decoder.vocab_size, (n, args.prompt_len), generator=g).tolist()
 
 
 def cost_table(args, engine, controlled: SpecConfig):
@@ -162,8 +178,7 @@ def bench(args) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     rows, out = [], {"cuda_graphs": False, "args": vars(args), "rows": []}
     for name, engine in engines(args, checked, max(levels), args.prompt_len + args.max_new_tokens + 160):
-        vocab = engine.decoder.vocab_size
-        prompts = torch.randint(0, vocab, (max(levels), args.prompt_len), generator=g).tolist()
+        prompts = bench_prompts(args, engine, max(levels), g)
         table = cost_table(args, engine, controlled)
         out["device"] = table.key.device
         target = args.target or args.shape
