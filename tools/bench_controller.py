@@ -17,7 +17,9 @@ The controller runs host-chained without CUDA graphs until its per-depth graphs 
 (plain, fixed, controller) uses the same engine without graphs (``"cuda_graphs": false`` in the JSON):
 compare rows within this file only. Rows (``--out``, JSON, atomic, rewritten after each row) hold
 ``drafter, target, mode, concurrency, temperature, speedup, acceptance``, the best fixed shape and its
-speedup beside the controller's, and the controller's (depth, width) decisions.
+speedup beside the controller's, the controller's (depth, width) decisions, and the same controller drafting a
+chain (k = 1); ``chain_from_batch`` per drafter is the concurrency from which the chain wins (the engine's
+``chain_from_batch``: the table the issue asks to measure per setup).
 
     python tools/bench_controller.py --shape smollm2-135m --noise 0.0,0.3,untrained --concurrency 1,8,64 \\
         --out docs/bench/controller_h200.json
@@ -191,10 +193,14 @@ def bench(args) -> dict:
             fixed = {_label(s): run(spec=s) for s in shapes}
             best = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
             best_spec = next(s for s in shapes if _label(s) == best)
-            decisions = Counter()
+            decisions, chain_decisions = Counter(), Counter()
             paired_best = paired_timings(partial(run, spec=None), partial(run, spec=best_spec), args.repeats)
             paired_ctl = paired_timings(partial(run, spec=None),
                                         partial(controller_run, run, engine, controlled, table, decisions), args.repeats)
+            chain = SpecConfig(shape="chain", depth=controlled.depth)  # the controller's k = 1 (chain_from_batch)
+            paired_chain = paired_timings(partial(run, spec=None),
+                                          partial(controller_run, run, engine, chain, table, chain_decisions),
+                                          args.repeats)
             rows.append({"drafter": name, "target": target, "mode": "controller", "concurrency": c, "temperature": 0.0,
                          **paired_fields(paired_ctl), "acceptance": paired_ctl["spec"]["mean_acceptance"],
                          "within": _label(controlled), "best_fixed": best,
@@ -202,18 +208,34 @@ def bench(args) -> dict:
                          "best_fixed_acceptance": paired_best["spec"]["mean_acceptance"],
                          "controller_vs_best_fixed": paired_ctl["speedup"] / paired_best["speedup"],
                          "decisions": [[d, w, n] for (d, w), n in sorted(decisions.items())],
+                         "chain_controller_speedup": paired_chain["speedup"],
+                         "chain_controller_acceptance": paired_chain["spec"]["mean_acceptance"],
+                         "chain_decisions": [[d, w, n] for (d, w), n in sorted(chain_decisions.items())],
                          "sweep": {k: {"speedup": v["tokens_per_s"] / plain["tokens_per_s"],
                                        "acceptance": v["mean_acceptance"]} for k, v in fixed.items()}})
             print(format_row(rows[-1]), flush=True)
             out["rows"] = rows
+            out["chain_from_batch"] = chain_from_batch(rows)
             write(args.out, out)
+    return out
+
+
+def chain_from_batch(rows: list[dict]) -> dict[str, int | None]:
+    """Per drafter, the smallest concurrency from which the chain controller is at least as fast as the tree
+    controller at every larger measured level (the engine's ``chain_from_batch``); None: the tree throughout."""
+    out = {}
+    for name in dict.fromkeys(r["drafter"] for r in rows):
+        mine = sorted((r for r in rows if r["drafter"] == name), key=lambda r: r["concurrency"])
+        wins = [r["chain_controller_speedup"] >= r["speedup"] for r in mine]
+        first = next((i for i in range(len(mine)) if all(wins[i:])), None)
+        out[name] = None if first is None else mine[first]["concurrency"]
     return out
 
 
 def controller_run(run, engine, spec: SpecConfig, table, decisions: Counter) -> dict:
     """``run`` with the controller; every generate starts its own trace, so each run's decisions are counted."""
     result = run(spec=spec, controller=table)
-    decisions.update(engine.controller_trace)
+    decisions.update(engine.controller.trace)
     return result
 
 
@@ -223,8 +245,8 @@ def _label(spec: SpecConfig) -> str:
 
 def format_row(r: dict) -> str:
     return (f"{r['drafter']:<22} c={r['concurrency']:<3} controller x{r['speedup']:.2f} (acceptance "
-            f"{r['acceptance']:.2f})  best fixed {r['best_fixed']} x{r['best_fixed_speedup']:.2f}  "
-            f"ratio {r['controller_vs_best_fixed']:.2f}")
+            f"{r['acceptance']:.2f}), as a chain x{r['chain_controller_speedup']:.2f}  best fixed {r['best_fixed']} "
+            f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}")
 
 
 def write(path: str, out: dict) -> None:

@@ -42,11 +42,13 @@ def test_rows_hold_the_issue_keys_and_the_best_fixed_shape(result):
         ("controlled_noise0.0", 1), ("controlled_noise0.0", 2), ("untrained", 1), ("untrained", 2)]
     for r in rows:
         for key in ("drafter", "target", "mode", "concurrency", "temperature", "speedup", "acceptance",
-                    "best_fixed", "best_fixed_speedup", "decisions", "sweep"):
+                    "best_fixed", "best_fixed_speedup", "decisions", "sweep", "chain_controller_speedup"):
             assert key in r, key
         assert r["best_fixed"] in r["sweep"] and set(r["sweep"]) == {"chain1", "chain3", "tree2x2x3", "tree3x2x4"}
         assert r["within"] == "tree3x2x4" and sum(n for _, _, n in r["decisions"]) > 0
         assert all(1 <= d <= 3 and 0 <= w <= 4 for d, w, _ in r["decisions"])
+        assert all(w <= 3 for _, w, _ in r["chain_decisions"])  # a chain verifies at most its depth
+    assert set(data["chain_from_batch"]) == {"controlled_noise0.0", "untrained"}
     assert data["cuda_graphs"] is False and not out.with_suffix(".costs.json").exists()  # --costs: none measured
 
 
@@ -91,3 +93,13 @@ def test_without_a_table_the_costs_are_measured_and_written(tool, tmp_path):
                "--max-new-tokens", "6", "--prompt-len", "6", "--repeats", "1", "--device", "cpu", "--out", str(out)])
     table = json.loads(out.with_suffix(".costs.json").read_text())
     assert table["version"] == 1 and table["nodes"][0] == 0 and table["batches"] == [1]
+
+
+def test_chain_from_batch_is_where_the_chain_keeps_winning(tool):
+    rows = [{"drafter": "d", "concurrency": c, "speedup": t, "chain_controller_speedup": ch}
+            for c, t, ch in ((1, 2.0, 1.5), (8, 1.6, 1.7), (64, 1.1, 1.3))]
+    assert tool.chain_from_batch(rows) == {"d": 8}
+    rows[1]["chain_controller_speedup"] = 1.5  # a loss at 8: only from 64 on
+    assert tool.chain_from_batch(rows) == {"d": 64}
+    rows[2]["chain_controller_speedup"] = 1.0
+    assert tool.chain_from_batch(rows) == {"d": None}

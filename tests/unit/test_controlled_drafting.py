@@ -71,7 +71,7 @@ def table(engine, depth: float, verify_per_node: float, *, noise: float = 0.0, s
 
 def run(engine, tokenizer, n: int, spec: SpecConfig, costs: CostTable):
     out = engine.generate(prompts(tokenizer, n), max_new_tokens=32, spec=spec, ignore_eos=True, controller=costs)
-    return out, list(engine.controller_trace)
+    return out, list(engine.controller.trace)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)
@@ -143,3 +143,18 @@ def test_calibration_is_the_decayed_ratio_and_drifts_back_without_evidence():
     cal.pending = torch.tensor(1.0, dtype=torch.float64)
     cal.observe(torch.tensor([4, 9]), torch.tensor([True, False]))  # a padded row's count is not evidence
     assert float(cal.accepted) == pytest.approx(4.0 + 0.0, abs=1e-2)
+
+
+def test_from_chain_from_batch_rows_on_greedy_rounds_draft_a_chain(confident, plain, tiny_tokenizer):
+    """chain_from_batch=1: every round a chain (k = 1: at most spec.depth nodes verified); above the batch (4 for
+    3 rows, which finish at different rounds) the same table drafts the k-wide tree, wider than the depth."""
+    costs = table(confident, depth=1e-4, verify_per_node=1e-4)
+    spec = SPECS[0]
+    for chain_from, chain in ((1, True), (4, False)):
+        out = confident.generate(prompts(tiny_tokenizer, 3), max_new_tokens=32, spec=spec, ignore_eos=True,
+                                 controller=costs, chain_from_batch=chain_from)
+        assert [r.token_ids for r in out] == [r.token_ids for r in plain[3]]
+        widest = max(w for _, w in confident.controller.trace)
+        assert (widest <= spec.depth) if chain else (widest > spec.depth), (chain_from, confident.controller.trace)
+    with pytest.raises(ValueError, match="chain_from_batch=0"):
+        confident.configure(spec=spec, controller=costs, chain_from_batch=0)

@@ -184,7 +184,7 @@ def test_sampled_rounds_under_the_controller_follow_target(engine, target_joint)
     table = linear_table(engine, 0.01, 0.02, widths=[1, 2, 4, 8], nodes=list(range(33)))
     counts, acceptance = run(engine, SAMPLED_TREE, T1, seed=77, controller=table)
     ps = pvalues(counts, target_joint(T1))
-    depths = collections.Counter(engine.sampled_depths)
+    depths = collections.Counter(engine.controller.sampled_depths)
     print(f"controller: p {ps}, mean acceptance {acceptance:.3f}, sampled depths {dict(depths)}")
     assert min(ps.values()) > 1e-3
     assert len(depths) >= 2 and acceptance > 1.2  # the depth really changed between rounds

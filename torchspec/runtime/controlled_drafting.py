@@ -39,11 +39,13 @@ decision the controller takes: widths 0 .. N and stops at every depth).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from torchspec.runtime.controller_policy import (
+    INITIAL_SAMPLED_DEPTH,
     PROB_ONE,
     SCALE_ONE,
     Decision,
@@ -150,6 +152,45 @@ def check_table_for(table: CostTable, spec: SpecConfig) -> None:
                          f"torchspec-profile with --nodes up to {most} or lower spec num_nodes.")
 
 
+class Controller:
+    """The draft controller across rounds (``SpeculativeEngine.configure(controller=table)``): the cost table,
+    the drafter's ``calibration``, each round's shape (``plan``) and what it chose (``trace``: greedy rounds'
+    (depths drafted, width); ``sampled_depths``: each sampled round's depth). At a padded batch of
+    ``chain_from_batch`` rows or more, greedy rounds draft a chain (k = 1, up to ``spec.depth``, verified to
+    the width the criterion picks) instead of the k-wide tree: at high concurrency a k-wide frontier multiplies
+    the drafter's rows by k (``tools/bench_controller.py`` measures where that pays)."""
+
+    def __init__(self, table: CostTable, spec: SpecConfig, calibration: Calibration,
+                 chain_from_batch: int | None = None):
+        check_table_for(table, spec)
+        if chain_from_batch is not None and chain_from_batch < 1:
+            raise ValueError(f"chain_from_batch={chain_from_batch} must be >= 1 (or None: always the tree).")
+        self.table, self.spec, self.calibration, self.chain_from_batch = table, spec, calibration, chain_from_batch
+        self.chain = dataclasses.replace(spec, shape="chain")
+        self.trace: list[tuple[int, int]] = []
+        self.sampled_depths: list[int] = []
+        self.sampled_depth = min(INITIAL_SAMPLED_DEPTH, spec.depth)
+
+    def plan(self, params, batch: int, ctx: int) -> tuple[SpecConfig, RoundCosts | None]:
+        """The round's shape and costs: a greedy round chooses within ``spec`` (a chain from
+        ``chain_from_batch`` rows on); a sampled tree drafts the depth the previous sampled round chose;
+        deterministic candidates at T > 0 keep ``spec`` (no costs)."""
+        if params.greedy:
+            chain = self.chain_from_batch is not None and batch >= self.chain_from_batch
+            spec = self.chain if chain else self.spec
+            return spec, RoundCosts.lookup(self.table, spec, batch, ctx, self.calibration, self.trace)
+        if self.spec.sampled(params):
+            self.sampled_depths.append(self.sampled_depth)
+            costs = RoundCosts.lookup_sampled(self.table, self.spec, batch, ctx, self.calibration)
+            return dataclasses.replace(self.spec, depth=self.sampled_depth), costs
+        return self.spec, None
+
+    def after(self, costs: RoundCosts | None) -> None:
+        """After the round's host sync: a sampled round's choice of the next depth (one more host read)."""
+        if costs is not None and costs.sampled_next is not None:
+            self.sampled_depth = int(costs.sampled_next)
+
+
 def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
                           costs: RoundCosts) -> DraftTree:
     """The greedy dynamic tree of ``spec`` (a chain when shape == 'chain'), cut where the controller
@@ -235,4 +276,4 @@ def _root_only(root: torch.Tensor) -> DraftTree:
                      sampled=torch.zeros_like(zeros, dtype=torch.bool), sibling_rank=zeros, dist_index=zeros - 1)
 
 
-__all__ = ["Calibration", "RoundCosts", "next_depth_after_sampled", "sampled_go_flags", "check_table_for", "draft_controlled_tree"]
+__all__ = ["Calibration", "Controller", "RoundCosts", "next_depth_after_sampled", "sampled_go_flags", "check_table_for", "draft_controlled_tree"]

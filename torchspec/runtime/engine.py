@@ -39,8 +39,7 @@ import time
 
 import torch
 
-from torchspec.runtime.controlled_drafting import Calibration, RoundCosts, check_table_for
-from torchspec.runtime.controller_policy import INITIAL_SAMPLED_DEPTH
+from torchspec.runtime.controlled_drafting import Calibration, Controller
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
@@ -108,14 +107,15 @@ class SpeculativeEngine:
     # --- request API ------------------------------------------------------------------------------
 
     def configure(self, *, spec: SpecConfig | None = None, seed: int = 0, concurrency: int | None = None,
-                  prefill_wait: int | None = None, controller: CostTable | None = None) -> None:
+                  prefill_wait: int | None = None, controller: CostTable | None = None,
+                  chain_from_batch: int | None = None) -> None:
         """What the following steps do: ``spec`` (None = plain decoding), the RNG seed of sampled
         draws, at most ``concurrency`` (default ``max_batch``) requests running at once, and
         ``prefill_wait`` (None = unchanged; see ``__init__``). ``controller``: a measured cost table
         (``torchspec-profile``): greedy rounds then draft and verify what the draft controller chooses
-        within ``spec``'s shape (``controlled_drafting``; host-chained, so without CUDA graphs for now);
-        ``controller_trace`` collects each such round's (depths drafted, verified width). Only between
-        requests: refused while any is in flight."""
+        within ``spec``'s shape, a chain from ``chain_from_batch`` rows on (``controlled_drafting.Controller``;
+        host-chained, so without CUDA graphs for now; ``self.controller.trace`` holds each greedy round's
+        (depths drafted, verified width)). Only between requests: refused while any is in flight."""
         if self.scheduler.has_work:
             raise ValueError("configure: requests are in flight; finish or cancel them first.")
         concurrency = concurrency or self.max_batch
@@ -138,15 +138,13 @@ class SpeculativeEngine:
             if self.graphs is not None:
                 raise ValueError("controller: the draft controller runs host-chained, without CUDA graphs, until its "
                                  "per-depth graphs land; build the SpeculativeEngine with cuda_graphs=False.")
-            check_table_for(controller, spec)
-        self.spec, self.controller, self.controller_trace = spec, controller, []
-        # the drafter's calibration lives as long as its cost table: a plain run in between keeps it
-        kept = self.__dict__.setdefault("_calibrations", {})
-        if controller is not None and kept.get(id(controller), (None,))[0] is not controller:
-            kept[id(controller)] = (controller, Calibration(self.device))
-        self.calibration = kept[id(controller)][1] if controller is not None else None
-        self.sampled_depth = min(INITIAL_SAMPLED_DEPTH, spec.depth) if spec is not None else 0
-        self.sampled_depths: list[int] = []  # the depth of every controlled sampled round
+        ctl = None
+        if controller is not None:  # the drafter's calibration lives as long as its cost table (plain runs between)
+            kept = self.__dict__.setdefault("_calibrations", {})
+            if kept.get(id(controller), (None,))[0] is not controller:
+                kept[id(controller)] = (controller, Calibration(self.device))
+            ctl = Controller(controller, spec, kept[id(controller)][1], chain_from_batch)
+        self.spec, self.controller = spec, ctl
         self._per_round_of = {greedy: self._kv_per_round(spec, greedy) for greedy in (True, False)}
         self.scheduler.concurrency = concurrency
         # pages written by plain decoding hold no drafter entries: they are cached apart
@@ -203,7 +201,8 @@ class SpeculativeEngine:
     def generate(self, prompts: list[list[int]] | list[str], *, max_new_tokens: int = 128,
                  sampling: SamplingParams | None = None, spec: SpecConfig | None = None, seed: int = 0,
                  stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
-                 concurrency: int | None = None, controller: CostTable | None = None) -> list[GenerationResult]:
+                 concurrency: int | None = None, controller: CostTable | None = None,
+                 chain_from_batch: int | None = None) -> list[GenerationResult]:
         """Generate for every prompt (token id lists, or strings if the engine has a tokenizer), all
         with the same settings: ``configure``, ``submit`` each, ``step`` until done.
 
@@ -215,7 +214,8 @@ class SpeculativeEngine:
         sampling = sampling or GREEDY
         prompts = self._encode(prompts)
         self.check_request(prompts, max_new_tokens, sampling, spec)
-        self.configure(spec=spec, seed=seed, concurrency=concurrency, controller=controller)
+        self.configure(spec=spec, seed=seed, concurrency=concurrency, controller=controller,
+                       chain_from_batch=chain_from_batch)
         ids = [self.submit(p, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids or (),
                            ignore_eos=ignore_eos) for p in prompts]
         results: dict[int, GenerationResult] = {}
@@ -342,7 +342,8 @@ class SpeculativeEngine:
                 return plain_step(self.decoder, self.caches, bt, ctx, root, valid, params, generator, slots=slots)
             args = {"bt": bt, "ctx": ctx, "root": self.root[index], "valid": valid, "slots": index, "params": params}
         else:
-            spec, costs = self._controlled(spec, params, len(active), max(slots[i].ctx for i in rows))
+            if self.controller is not None:  # the round's shape and measured costs at its batch and context
+                spec, costs = self.controller.plan(params, len(active), max(slots[i].ctx for i in rows))
 
             def step(inp, slots, params):
                 return speculate(self.decoder, self.runner, self.caches, inp, spec, params, generator, slots=slots,
@@ -355,8 +356,8 @@ class SpeculativeEngine:
         out = step(**args) if self.graphs is None else self._run_graph(key, step, args)
         self._store(index, out)
         committed = torch.cat([out.count[:, None], out.tokens], 1).tolist()  # the round's one host sync
-        if spec is not None and costs is not None and costs.sampled_next is not None:
-            self.sampled_depth = int(costs.sampled_next)
+        if self.controller is not None:
+            self.controller.after(costs)
         dt = time.perf_counter() - t0
         for i, j in zip(rows, position):
             count, *tokens = committed[j]
@@ -365,20 +366,6 @@ class SpeculativeEngine:
             result = s.request.result
             result.decode_s += dt
             result.accept_lengths.append(sch.commit(i, tokens[:count]))  # a stop or the limit may cut the round
-
-    def _controlled(self, spec: SpecConfig, params, batch: int, ctx: int) -> tuple[SpecConfig, RoundCosts | None]:
-        """The round's shape and costs under the draft controller (``controlled_drafting``): a greedy round
-        chooses within ``spec``; a sampled tree drafts the depth the previous sampled round chose; rounds of
-        deterministic candidates at T > 0 (and every round without a controller) keep ``spec``."""
-        if self.controller is None:
-            return spec, None
-        if params.greedy:
-            return spec, RoundCosts.lookup(self.controller, spec, batch, ctx, self.calibration, self.controller_trace)
-        if spec.sampled(params):
-            costs = RoundCosts.lookup_sampled(self.controller, spec, batch, ctx, self.calibration)
-            self.sampled_depths.append(self.sampled_depth)
-            return dataclasses.replace(spec, depth=self.sampled_depth), costs
-        return spec, None
 
     def table_columns_for(self, keys: int) -> int:
         """``paged_kv.table_columns`` of this engine's table: each width is its own CUDA graph."""
