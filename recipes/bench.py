@@ -33,6 +33,7 @@ from torchspec.runtime.cli import (
     add_spec_args,
     check_engine_args,
     check_output_file,
+    controller_from_args,
     engine_kwargs,
     read_prompt_set,
     spec_from_args,
@@ -89,6 +90,9 @@ def check_args(args) -> dict:
     check_at_least("--max-new-tokens", args.max_new_tokens, 1)
     check_at_least("--repeats", args.repeats, 1)
     check_engine_args(args, base_spec)
+    if args.chain_from_batch is not None:
+        raise ValueError("torchspec-bench times one shape a row: for the controller's chains pass --chain "
+                         "(--chain-from-batch is torchspec-generate's).")
     check_output_file("--out", args.out)
     prompt_sets = {name: read_prompt_set(name) for name in csv_values("--prompt-set", args.prompt_set)}
     return {"spec": base_spec, "levels": levels, "temps": temps, "shapes": shapes, "prompt_sets": prompt_sets}
@@ -157,6 +161,7 @@ def run(args) -> dict:
     tp_group, device = init_tp_from_env()  # under torchrun: the target is tensor-parallel over all ranks
     kwargs["device"] = args.device or device
     engine = load_engine(args.target, args.drafter, tp_group=tp_group, **kwargs)
+    controller = controller_from_args(args, engine)  # --controller: every speculative row under it
     copy_rate = copy_rate_bytes_per_s(engine.device)  # CUDA: the HBM ceiling of hbm_fraction; None on CPU
     rows = []
     for set_name, raw_prompts in checked["prompt_sets"].items():
@@ -169,10 +174,10 @@ def run(args) -> dict:
                 group, plains = [], []
                 for shape in shapes:  # every shape paired with plain runs of its own (--repeats)
                     spec = dataclasses.replace(base_spec, shape=shape)
-                    measure(engine, chosen[:c], spec, params, 16, args.seed, c)
+                    measure(engine, chosen[:c], spec, params, 16, args.seed, c, controller)
                     paired = paired_timings(partial(measure, engine, chosen, None, params, args.max_new_tokens, args.seed, c),
-                                            partial(measure, engine, chosen, spec, params, args.max_new_tokens, args.seed, c),
-                                            args.repeats)
+                                            partial(measure, engine, chosen, spec, params, args.max_new_tokens, args.seed, c,
+                                                    controller), args.repeats)
                     plains.append(paired["plain"])
                     group.append({"prompt_set": set_name, "temperature": temp, "concurrency": c, "mode": shape,
                                   **paired["spec"], **paired_fields(paired)})
@@ -190,7 +195,8 @@ def run(args) -> dict:
         platform.processor() or "cpu"
     tp = engine.decoder.tp_size
     return {"device": device, "tp": tp, "copy_rate_gb_per_s": copy_rate / 1e9 if copy_rate else None,
-            "args": vars(args), "spec": dataclasses.asdict(base_spec), "rows": rows}
+            "args": vars(args), "spec": dataclasses.asdict(base_spec), "controller": args.controller,
+            "cuda_graphs": engine.graphs is not None, "rows": rows}
 
 
 def format_row(r: dict) -> str:

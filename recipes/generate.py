@@ -24,6 +24,7 @@ from torchspec.runtime.cli import (
     add_spec_args,
     check_engine_args,
     check_output_file,
+    controller_from_args,
     engine_kwargs,
     read_prompt_set,
     sampling_from_args,
@@ -84,9 +85,11 @@ def run(args) -> dict:
     kwargs["device"] = args.device or device
     engine = load_engine(args.target, args.drafter if spec is not None else None, tp_group=tp_group, **kwargs)
     ids = render_prompts(engine.tokenizer, prompts, chat=not args.raw)
+    controller = controller_from_args(args, engine)
     t0 = time.perf_counter()
     results = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=params, spec=spec,
-                              seed=args.seed, ignore_eos=args.ignore_eos)
+                              seed=args.seed, ignore_eos=args.ignore_eos, controller=controller,
+                              chain_from_batch=args.chain_from_batch)
     wall = time.perf_counter() - t0
     check_tp_consistency([r.token_ids for r in results], tp_group)
     tokens = sum(len(r.token_ids) for r in results)

@@ -36,6 +36,7 @@ from torchspec.distributed import (
     all_reduce_sum,
     barrier,
     build_mesh,
+    close_distributed,
     init_distributed,
     is_rank0,
     seed_everything,
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with user_errors("torchspec-train", debug="--debug" in argv):
             train(compose_config([a for a in argv if a != "--debug"]))
+        close_distributed()  # a finished run only: a failing rank exits without waiting on the others
     finally:  # the run's train.log handler (see train) goes with the run
         for handler in set(logging.getLogger().handlers) - set(handlers):
             logging.getLogger().removeHandler(handler)

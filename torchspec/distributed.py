@@ -81,6 +81,14 @@ def init_distributed(
     )
 
 
+def close_distributed() -> None:
+    """Destroy the process group at the end of a run. Left to the interpreter's exit, its background
+    threads can die joinable and abort a rank after its work is done ("terminate called without an
+    active exception", SIGABRT: seen once in the two-process kill-and-resume test, 2026-12-03)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def validate_mesh(world_size: int, target_tp: int) -> int:
     """Check that ``world_size = dp * target_tp``; return dp. ValueError naming the values and the fix."""
     if target_tp < 1:

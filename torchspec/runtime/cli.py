@@ -53,6 +53,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--candidates", default="auto", choices=["auto", "sampled", "deterministic"],
                    help="T > 0: sampled drafts (verified with their draw probabilities) or top-k candidates "
                         "(point-mass rule); auto = sampled")
+    g.add_argument("--controller", default=None, metavar="COSTS.json",
+                   help="the draft controller with this torchspec-profile table: each round's depth and width are "
+                        "chosen within the shape above (host-chained for now, so CUDA graphs are off)")
+    g.add_argument("--chain-from-batch", type=int, default=None,
+                   help="with --controller: greedy rounds of this many rows or more draft a chain")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -85,8 +90,20 @@ def spec_from_args(args) -> SpecConfig | None:
 
 
 def engine_kwargs(args) -> dict:
-    return {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch,
-            "max_context": args.max_context, "page_size": args.page_size, "cache_dir": args.cache_dir}
+    kwargs = {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch,
+              "max_context": args.max_context, "page_size": args.page_size, "cache_dir": args.cache_dir}
+    if getattr(args, "controller", None):  # the controller is host-chained: no CUDA graphs yet
+        kwargs["cuda_graphs"] = False
+    return kwargs
+
+
+def controller_from_args(args, engine):
+    """``--controller``'s table, checked against the loaded engine's key (a mismatch names both keys), or None."""
+    if not getattr(args, "controller", None):
+        return None
+    from torchspec.runtime.cost_table import CostTable, cost_key
+
+    return CostTable.load(args.controller, cost_key(engine.decoder, engine.runner))
 
 
 def check_engine_args(args, spec: SpecConfig | None) -> None:
@@ -103,6 +120,16 @@ def check_engine_args(args, spec: SpecConfig | None) -> None:
             raise ValueError(f"--device={args.device}: no CUDA device is visible here; pass --device cpu.")
     if spec is not None and args.drafter is not None:
         check_drafter_export(args.drafter)
+    if getattr(args, "controller", None):
+        if spec is None:
+            raise ValueError("--controller chooses the shape of speculation rounds; drop --no-spec (or --controller).")
+        if not Path(args.controller).is_file():
+            raise ValueError(f"--controller {args.controller} does not exist; measure it with torchspec-profile "
+                             f"--target T --drafter D --out {args.controller}.")
+    if getattr(args, "chain_from_batch", None) is not None:
+        if not getattr(args, "controller", None):
+            raise ValueError("--chain-from-batch needs --controller (it is a choice the controller makes).")
+        check_at_least("--chain-from-batch", args.chain_from_batch, 1)
 
 
 def check_drafter_export(path: str) -> None:
