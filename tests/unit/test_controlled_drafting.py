@@ -110,6 +110,11 @@ def test_bad_controller_configurations_are_refused(engine):
         engine.configure(controller=costs)
     with pytest.raises(ValueError, match="widths .* lack the drafter width 4"):
         engine.configure(spec=SpecConfig(shape="tree", depth=3, topk=4, num_nodes=8), controller=costs)
+    small = CostTable(key=costs.key, widths=costs.widths, nodes=costs.nodes, batches=[1, 2], contexts=costs.contexts,
+                      depth=costs.depth[:, :2], verify=costs.verify[:, :2], meta={})
+    with pytest.raises(ValueError, match="batches up to 2 but 3 rows may run"):  # a round beyond it: refused now
+        engine.configure(spec=SPECS[0], controller=small)
+    engine.configure(spec=SPECS[0], controller=small, concurrency=2)
     with pytest.raises(ValueError, match="nodes go up to 12 but spec verifies up to 20"):
         engine.configure(spec=SpecConfig(shape="tree", depth=4, topk=3, num_nodes=20), controller=costs)
     engine.configure()  # plain again: the fixture's engine stays usable

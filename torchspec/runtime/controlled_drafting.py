@@ -119,7 +119,6 @@ class RoundCosts:
         verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1].to(device)
         return cls(depth_ms, verify_ms, calibration, [] if trace is None else trace)
 
-
     @classmethod
     def lookup_sampled(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, calibration: Calibration
                        ) -> RoundCosts:

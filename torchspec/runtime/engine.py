@@ -135,6 +135,10 @@ class SpeculativeEngine:
             if self.caches.recurrent is not None:
                 raise ValueError("controller: hybrid (recurrent) targets are not yet served by the draft controller; "
                                  "pass controller=None to draft spec's fixed shape.")
+            if controller.batches[-1] < concurrency:
+                raise ValueError(f"controller: the cost table measured batches up to {controller.batches[-1]} but "
+                                 f"{concurrency} rows may run at once; re-run torchspec-profile with --batches up to "
+                                 f"{concurrency} or lower the concurrency.")
             if self.graphs is not None:
                 raise ValueError("controller: the draft controller runs host-chained, without CUDA graphs, until its "
                                  "per-depth graphs land; build the SpeculativeEngine with cuda_graphs=False.")
