@@ -48,18 +48,17 @@ from torchspec.runtime.controller_policy import (
     INITIAL_SAMPLED_DEPTH,
     PROB_ONE,
     SCALE_ONE,
-    Decision,
     decide_after_depth,
     expected_tokens,
     next_sampled_depth,
+    verify_width,
 )
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
-from torchspec.runtime.drafting import DraftInputs, SpecConfig, _DraftWriter, _top
+from torchspec.runtime.drafting import DraftInputs, SpecConfig, grow_dynamic_tree
 from torchspec.runtime.paged_kv import PagedKVCache
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.tree import DraftTree
-from torchspec.runtime.tree_select import assemble_tree, expand_frontier
 
 
 class Calibration:
@@ -192,42 +191,24 @@ class Controller:
 
 def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
                           costs: RoundCosts) -> DraftTree:
-    """The greedy dynamic tree of ``spec`` (a chain when shape == 'chain'), cut where the controller
-    stops, keeping its chosen width of best nodes (module docstring)."""
-    k = 1 if spec.shape == "chain" else spec.topk
-    b, dev = inp.root.shape[0], inp.root.device
-    greedy = SamplingParams()
-    writer = _DraftWriter(runner, cache, inp, max(1, (spec.depth - 1) * k), spec.depth)
-    sc, tok = _top(runner, inp.normed, k, greedy)  # [B, k] depth 0's candidates, log-probability descending
-    pool_tok, pool_sc, pool_parent = [tok], [sc], []
-    front_idx, front_tok, front_sc, front_edge = torch.arange(k, device=dev).expand(b, k), tok, sc, sc
-    front_hidden = inp.feedback[:, None].expand(b, k, -1)
-    parent_rows, base = None, k
+    """The greedy dynamic tree of ``spec`` (a chain when shape == 'chain', ``drafting.grow_dynamic_tree``),
+    cut where the controller stops, keeping its chosen width of best nodes (module docstring)."""
     scale = costs.calibration.scale()
-    decision = _decide(pool_sc, front_sc, front_edge, 0, costs, inp.row_valid, scale)
-    depth = 1
-    while depth < spec.depth and bool(decision.go):  # host-chained: one read a depth
-        normed, feedback = writer.run(front_tok, front_hidden, parent_rows, depth)
-        csc, ctok = _top(runner, normed, k, greedy)  # [B, k, k]
-        out = expand_frontier(front_sc, csc, ctok, front_idx, feedback, base, False)
-        pool_sc.append(out[0]), pool_tok.append(out[1]), pool_parent.append(out[2])
-        parent_rows, front_idx, front_tok, front_sc, front_hidden = out[3:]
-        front_edge = torch.gather(csc.reshape(b, k * k), 1, front_idx - base)  # the kept children's own edge
-        base += k * k
-        decision = _decide(pool_sc, front_sc, front_edge, depth, costs, inp.row_valid, scale)
-        depth += 1
-    width = int(decision.width)  # the round's one more host read: the verified shape
-    costs.trace.append((depth, width))
-    pool = torch.cat(pool_sc, 1)  # the confidence's expectation of the verified nodes, for the calibration
-    drafted = expected_tokens(pool, width, inp.row_valid)[-1] - inp.row_valid.sum() * PROB_ONE
+    for depth, pool in enumerate(grow_dynamic_tree(runner, cache, inp, spec, SamplingParams())):
+        scores = torch.cat(pool.sc, 1)  # [B, P] every node drafted so far
+        if pool.front_sc is None:  # spec's last depth: the width alone
+            width = verify_width(scores, depth, costs.depth_ms, costs.verify_ms, inp.row_valid, scale)
+            break
+        decision = decide_after_depth(scores, pool.front_sc, pool.front_edge(), depth, costs.depth_ms,
+                                      costs.verify_ms, inp.row_valid, scale)
+        width = decision.width
+        if not bool(decision.go):  # host-chained: one read a depth
+            break
+    m = int(width)  # the round's one more host read: the verified shape
+    costs.trace.append((depth + 1, m))
+    drafted = expected_tokens(scores, m, inp.row_valid)[-1] - inp.row_valid.sum() * PROB_ONE  # for the calibration
     costs.calibration.pending = drafted.double() / PROB_ONE
-    if width == 0:
-        return _root_only(inp.root)
-    tokens, parents, depths, rank = assemble_tree(inp.root, pool_tok, pool_sc, pool_parent, width)
-    return DraftTree(tokens=tokens, parents=parents, depths=depths,
-                     valid=torch.ones(b, width + 1, dtype=torch.bool, device=dev),
-                     sampled=torch.zeros(b, width + 1, dtype=torch.bool, device=dev), sibling_rank=rank,
-                     dist_index=torch.full((b, width + 1), -1, dtype=torch.long, device=dev))
+    return pool.tree(inp.root, m)
 
 
 def sampled_go_flags(tree: DraftTree, depth: int, costs: RoundCosts, row_valid: torch.Tensor) -> torch.Tensor:
@@ -259,20 +240,6 @@ def sampled_go_flags(tree: DraftTree, depth: int, costs: RoundCosts, row_valid: 
 def next_depth_after_sampled(tree: DraftTree, depth: int, costs: RoundCosts, row_valid: torch.Tensor) -> torch.Tensor:
     """The next sampled round's depth (0-d int64) from this round's tree (module docstring)."""
     return next_sampled_depth(sampled_go_flags(tree, depth, costs, row_valid), costs.max_sampled_depth)
-
-
-def _decide(pool_sc: list[torch.Tensor], front_sc: torch.Tensor, front_edge: torch.Tensor, depth: int,
-            costs: RoundCosts, row_valid: torch.Tensor, scale: torch.Tensor) -> Decision:
-    return decide_after_depth(torch.cat(pool_sc, 1), front_sc, front_edge, depth, costs.depth_ms, costs.verify_ms,
-                              row_valid, scale)
-
-
-def _root_only(root: torch.Tensor) -> DraftTree:
-    """Width 0: the round verifies no draft (the target's next token alone: a plain step)."""
-    b, dev = root.shape[0], root.device
-    zeros = torch.zeros(b, 1, dtype=torch.long, device=dev)
-    return DraftTree(tokens=root[:, None], parents=zeros - 1, depths=zeros, valid=torch.ones_like(zeros, dtype=torch.bool),
-                     sampled=torch.zeros_like(zeros, dtype=torch.bool), sibling_rank=zeros, dist_index=zeros - 1)
 
 
 __all__ = ["Calibration", "Controller", "RoundCosts", "next_depth_after_sampled", "sampled_go_flags", "check_table_for", "draft_controlled_tree"]

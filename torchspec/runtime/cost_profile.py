@@ -35,9 +35,9 @@ import torch
 
 from torchspec.runtime.cost_table import CostTable, cost_key
 from torchspec.runtime.drafting import DraftInputs, _DraftWriter, _top
-from torchspec.runtime.paged_kv import TRASH_PAGE, build_attention_meta
+from torchspec.runtime.paged_kv import TRASH_PAGE
 from torchspec.runtime.sampling import SamplingParams
-from torchspec.runtime.steps import plain_step, target_attend
+from torchspec.runtime.steps import plain_step, verify_forward
 from torchspec.runtime.tree import chain_tree
 from torchspec.runtime.tree_select import expand_frontier, with_ancestors
 
@@ -136,14 +136,10 @@ def verify_fn(engine, b: int, ctx: int, n: int) -> Callable[[], object]:
                                   GREEDY, None)
     tree = chain_tree(rows.tokens[:, :n + 1])
     aux_ids = tuple(engine.runner.config.aux_layer_ids)
-    levels = (1,) * (n + 1)
 
     def verify():
-        meta = build_attention_meta(rows.block_table, rows.ctx_len, tree.attention_mask(n), caches.page_size,
-                                    row_valid=rows.valid)
-        attend = target_attend(caches, meta, None, rows.valid, parents=tree.parents, depths=tree.depths,
-                               level_widths=levels)
-        out = decoder(tree.tokens, rows.ctx_len[:, None] + tree.depths, attend, capture_layers=aux_ids)
+        out, _ = verify_forward(decoder, caches, tree, n, rows.block_table, rows.ctx_len, rows.valid, None, aux_ids,
+                                (1,) * (n + 1))
         return decoder.argmax(out.hidden), out.aux
 
     return verify

@@ -32,6 +32,7 @@ n = ctx - 1 (``torchspec/runtime/drafter_runner.py``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -179,36 +180,77 @@ class _DraftWriter:
         return out
 
 
-def draft_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
-                       params: SamplingParams | RowSampling) -> DraftTree:
-    """Greedy / deterministic-candidate tree (a chain when spec.shape == 'chain')."""
+@dataclass
+class TreePool:
+    """A dynamic tree as it grows (``grow_dynamic_tree``): every node drafted so far, per depth (``tok`` /
+    ``sc``: [B, k] then [B, k*k]; ``parent``: pool parents of depths >= 2), and the frontier the next depth
+    would expand (its cumulative scores ``front_sc`` [B, k]; None after the last depth)."""
+
+    tok: list[torch.Tensor]
+    sc: list[torch.Tensor]
+    parent: list[torch.Tensor]
+    front_sc: torch.Tensor | None
+    _edges: torch.Tensor | None = None  # [B, k] the frontier's own last-edge scores (depth 0: its scores)
+    _children: tuple[torch.Tensor, torch.Tensor] | None = None  # (child scores [B, k*k], frontier picks) lazily
+
+    def front_edge(self) -> torch.Tensor:
+        """[B, k] the log-probability of each frontier node's last edge (gathered only when asked: the fixed
+        tree never needs it)."""
+        if self._children is not None:
+            child_sc, picks = self._children
+            return torch.gather(child_sc, 1, picks)
+        return self._edges
+
+    def tree(self, root: torch.Tensor, m: int) -> DraftTree:
+        """The ``m`` best nodes by cumulative score as the round's tree (``tree_select.assemble_tree``); m = 0:
+        the root alone (a plain step's verification)."""
+        if m == 0:
+            return chain_tree(root[:, None])
+        b, dev = root.shape[0], root.device
+        tokens, parents, depths, rank = assemble_tree(root, self.tok, self.sc, self.parent, m)
+        return DraftTree(tokens=tokens, parents=parents, depths=depths,
+                         valid=torch.ones(b, m + 1, dtype=torch.bool, device=dev),
+                         sampled=torch.zeros(b, m + 1, dtype=torch.bool, device=dev), sibling_rank=rank,
+                         dist_index=torch.full((b, m + 1), -1, dtype=torch.long, device=dev))
+
+
+def grow_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
+                      params: SamplingParams | RowSampling) -> Iterator[TreePool]:
+    """The greedy / deterministic-candidate tree (a chain when spec.shape == 'chain'), yielded after each of its
+    ``spec.depth`` depths; a caller that stops iterating drafts no further depth (the draft controller)."""
     k = 1 if spec.shape == "chain" else spec.topk
     depth = spec.depth
-    m = spec.num_drafted(params)
     b = inp.root.shape[0]
     dev = inp.root.device
     writer = _DraftWriter(runner, cache, inp, max(1, (depth - 1) * k), depth)
     sc, tok = _top(runner, inp.normed, k, params)  # [B, k], sorted
-    pool_tok, pool_sc, pool_parent = [tok], [sc], []
-    front_idx = torch.arange(k, device=dev).expand(b, k)  # pool index of each frontier node
-    front_tok, front_sc = tok, sc
+    pool = TreePool(tok=[tok], sc=[sc], parent=[], front_sc=sc if depth > 1 else None, _edges=sc)
+    front_idx, front_tok = torch.arange(k, device=dev).expand(b, k), tok
     front_hidden = inp.feedback[:, None].expand(b, k, -1)
     parent_rows = None
     base = k
+    yield pool
     for d in range(1, depth):
         normed, feedback = writer.run(front_tok, front_hidden, parent_rows, d)
         csc, ctok = _top(runner, normed, k, params)  # [B, k, k]
         last = d == depth - 1
-        out = expand_frontier(front_sc, csc, ctok, front_idx, feedback, base, last)
-        pool_sc.append(out[0]), pool_tok.append(out[1]), pool_parent.append(out[2])
-        if not last:
-            parent_rows, front_idx, front_tok, front_sc, front_hidden = out[3:]
+        out = expand_frontier(pool.front_sc, csc, ctok, front_idx, feedback, base, last)
+        pool.sc.append(out[0]), pool.tok.append(out[1]), pool.parent.append(out[2])
+        if last:
+            pool.front_sc = None
+        else:
+            parent_rows, front_idx, front_tok, pool.front_sc, front_hidden = out[3:]
+            pool._children = (csc.reshape(b, k * k), front_idx - base)
         base += k * k
-    tokens, parents, depths, rank = assemble_tree(inp.root, pool_tok, pool_sc, pool_parent, m)
-    return DraftTree(tokens=tokens, parents=parents, depths=depths,
-                     valid=torch.ones(b, m + 1, dtype=torch.bool, device=dev),
-                     sampled=torch.zeros(b, m + 1, dtype=torch.bool, device=dev), sibling_rank=rank,
-                     dist_index=torch.full((b, m + 1), -1, dtype=torch.long, device=dev))
+        yield pool
+
+
+def draft_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
+                       params: SamplingParams | RowSampling) -> DraftTree:
+    """Greedy / deterministic-candidate tree (a chain when spec.shape == 'chain'): every depth, then the
+    ``num_nodes`` best nodes."""
+    *_, pool = grow_dynamic_tree(runner, cache, inp, spec, params)  # every depth
+    return pool.tree(inp.root, spec.num_drafted(params))
 
 
 def draft_greedy_chain(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig) -> DraftTree:
@@ -289,4 +331,4 @@ def draft_round(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, sp
     return draft_dynamic_tree(runner, cache, inp, spec, params)
 
 
-__all__ = ["SpecConfig", "DraftInputs", "draft_round", "draft_dynamic_tree", "draft_greedy_chain", "draft_sampled_tree"]
+__all__ = ["SpecConfig", "DraftInputs", "TreePool", "draft_round", "draft_dynamic_tree", "grow_dynamic_tree", "draft_greedy_chain", "draft_sampled_tree"]

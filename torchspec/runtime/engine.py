@@ -102,6 +102,7 @@ class SpeculativeEngine:
             raise ValueError("cuda_graphs=True needs the engine on a CUDA device.")
         self.graphs = StepGraphs() if cuda_graphs else None
         self.decode_rounds = 0  # decode rounds run so far (batched: one per step with running rows)
+        self._calibrated: tuple[CostTable, Calibration] | None = None  # the last controller table's calibration
         self.configure()
 
     # --- request API ------------------------------------------------------------------------------
@@ -144,10 +145,9 @@ class SpeculativeEngine:
                                  "per-depth graphs land; build the SpeculativeEngine with cuda_graphs=False.")
         ctl = None
         if controller is not None:  # the drafter's calibration lives as long as its cost table (plain runs between)
-            kept = self.__dict__.setdefault("_calibrations", {})
-            if kept.get(id(controller), (None,))[0] is not controller:
-                kept[id(controller)] = (controller, Calibration(self.device))
-            ctl = Controller(controller, spec, kept[id(controller)][1], chain_from_batch)
+            if self._calibrated is None or self._calibrated[0] is not controller:
+                self._calibrated = (controller, Calibration(self.device))
+            ctl = Controller(controller, spec, self._calibrated[1], chain_from_batch)
         self.spec, self.controller = spec, ctl
         self._per_round_of = {greedy: self._kv_per_round(spec, greedy) for greedy in (True, False)}
         self.scheduler.concurrency = concurrency

@@ -50,6 +50,7 @@ from torchspec.runtime.recurrent_state import (
     tree_level_widths,
 )
 from torchspec.runtime.sampling import RowSampling, SamplingParams, process_logits, sample
+from torchspec.runtime.tree import DraftTree
 from torchspec.runtime.verify import verify_greedy, verify_sampling
 from torchspec.targets import TargetDecoder
 from torchspec.targets.fused_ops import fused
@@ -174,6 +175,18 @@ def plain_step(decoder: TargetDecoder, caches: Caches, block_table: torch.Tensor
     return StepOut(tokens=tok[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=tok)
 
 
+def verify_forward(decoder: TargetDecoder, caches: Caches, tree: DraftTree, depth: int, block_table: torch.Tensor,
+                   ctx: torch.Tensor, row_valid: torch.Tensor, slots: torch.Tensor | None, aux_layer_ids: tuple[int, ...],
+                   level_widths: tuple[int, ...]):
+    """The target forward over a draft tree [B, N] after ``ctx`` committed tokens (its mask bounded by ``depth``),
+    capturing the drafter's aux layers -> (output, the attend it used). ``speculate``'s, and what
+    ``cost_profile`` times."""
+    meta = build_attention_meta(block_table, ctx, tree.attention_mask(depth), caches.page_size, row_valid=row_valid)
+    attend = target_attend(caches, meta, slots, row_valid, parents=tree.parents, depths=tree.depths,
+                           level_widths=level_widths)
+    return decoder(tree.tokens, ctx[:, None] + tree.depths, attend, capture_layers=aux_layer_ids), attend
+
+
 def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp: DraftInputs,
               spec: SpecConfig, params: SamplingParams | RowSampling, generator: torch.Generator,
               slots: torch.Tensor | None = None, costs: RoundCosts | None = None) -> StepOut:
@@ -188,10 +201,8 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
     b = tree.tokens.shape[0]
     depth = min(spec.depth, tree.num_nodes - 1)  # static: a tree of fewer nodes (a controlled width) is shallower
     ctx, bt = inp.ctx_len, inp.block_table
-    meta = build_attention_meta(bt, ctx, tree.attention_mask(depth), caches.page_size, row_valid=inp.row_valid)
-    attend = target_attend(caches, meta, slots, inp.row_valid, parents=tree.parents, depths=tree.depths,
-                           level_widths=tree_level_widths(spec, params))
-    out = decoder(tree.tokens, ctx[:, None] + tree.depths, attend, capture_layers=tuple(runner.config.aux_layer_ids))
+    out, attend = verify_forward(decoder, caches, tree, depth, bt, ctx, inp.row_valid, slots,
+                                 tuple(runner.config.aux_layer_ids), tree_level_widths(spec, params))
     if params.greedy:
         res = verify_greedy(tree, decoder.argmax(out.hidden), max_depth=depth)  # [B, N] argmaxes
     else:
