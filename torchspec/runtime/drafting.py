@@ -191,14 +191,14 @@ class TreePool:
     parent: list[torch.Tensor]
     front_sc: torch.Tensor | None
     _edges: torch.Tensor | None = None  # [B, k] the frontier's own last-edge scores (depth 0: its scores)
-    _children: tuple[torch.Tensor, torch.Tensor] | None = None  # (child scores [B, k*k], frontier picks) lazily
+    _children: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (child scores [B, k*k], frontier pool ids, base)
 
     def front_edge(self) -> torch.Tensor:
         """[B, k] the log-probability of each frontier node's last edge (gathered only when asked: the fixed
         tree never needs it)."""
         if self._children is not None:
-            child_sc, picks = self._children
-            return torch.gather(child_sc, 1, picks)
+            child_sc, front_idx, base = self._children
+            return torch.gather(child_sc, 1, front_idx - base)
         return self._edges
 
     def tree(self, root: torch.Tensor, m: int) -> DraftTree:
@@ -240,7 +240,7 @@ def grow_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInpu
             pool.front_sc = None
         else:
             parent_rows, front_idx, front_tok, pool.front_sc, front_hidden = out[3:]
-            pool._children = (csc.reshape(b, k * k), front_idx - base)
+            pool._children = (csc.reshape(b, k * k), front_idx, base)  # views: no kernel unless front_edge is asked
         base += k * k
         yield pool
 
