@@ -13,9 +13,12 @@ Drafters: the controlled-acceptance pair of ``tools/bench_runtime_efficiency.py`
 drafter per ``--noise`` value (``untrained``: a drafter that agrees with nothing, ~0 acceptance), or a
 real target with exported drafters (``--target``, ``--drafter name=path``; ``untrained`` there too).
 
-The controller runs host-chained without CUDA graphs until its per-depth graphs land, so every run here
-(plain, fixed, controller) uses the same engine without graphs (``"cuda_graphs": false`` in the JSON):
-compare rows within this file only. Rows (``--out``, JSON, atomic, rewritten after each row) hold
+The controller runs host-chained without CUDA graphs until its per-depth graphs land, so the sweep, the
+pairs and the table measured here (``--timing eager``) use the same engine without graphs: ``speedup``
+and ``best_fixed_speedup`` compare like with like. On CUDA a second engine over the same weights serves
+with graphs, and the controller is also paired with *its* plain decoding (``speedup_vs_graphed_plain``:
+what "never slower than no speculation" is finally judged by) and the best fixed shape with graphs with
+it (``best_fixed_graphed_speedup``). Rows (``--out``, JSON, atomic, rewritten after each row) hold
 ``drafter, target, mode, concurrency, temperature, speedup, acceptance``, the best fixed shape and its
 speedup beside the controller's, the controller's (depth, width) decisions, and the same controller drafting a
 chain (k = 1); ``chain_from_batch`` per drafter is the concurrency from which the chain wins (the engine's
@@ -159,6 +162,18 @@ def bench_prompts(args, engine, n: int, g: torch.Generator) -> list[list[int]]:
     return torch.randint(0, engine.decoder.vocab_size, (n, args.prompt_len), generator=g).tolist()
 
 
+def graphed_twin(engine):
+    """On CUDA, an engine with CUDA graphs over ``engine``'s decoder and drafter (already fused): the
+    plain and fixed references at their fastest. None elsewhere."""
+    if engine.device.type != "cuda":
+        return None
+    from torchspec.runtime.engine import SpeculativeEngine
+
+    return SpeculativeEngine(engine.decoder, engine.runner, engine.tokenizer, max_batch=engine.max_batch,
+                             max_context=engine.max_context, page_size=engine.page_size, cuda_graphs=True, fuse=False,
+                             prefix_cache=engine.prefix_cache is not None)
+
+
 def cost_table(args, engine, controlled: SpecConfig):
     from torchspec.runtime.cost_profile import profile_costs
     from torchspec.runtime.cost_table import CostTable, cost_key
@@ -169,7 +184,7 @@ def cost_table(args, engine, controlled: SpecConfig):
     table = profile_costs(engine, batches=sorted(set(csv_values("--concurrency", args.concurrency, int))),
                           contexts=[args.prompt_len + args.max_new_tokens // 2], widths=sorted({1, controlled.topk}),
                           nodes=[m for m in (0, 1, 2, 4, 8, 16, 32, 48, 64) if m < n] + [n],
-                          repeats=max(3, args.repeats))
+                          repeats=max(3, args.repeats), timing="eager")  # as the controller serves (module doc)
     table.save(args.costs_out or pathlib.Path(args.out).with_suffix(".costs.json"))
     return table
 
@@ -178,12 +193,15 @@ def bench(args) -> dict:
     checked = check_args(args)
     levels, shapes, controlled = checked["levels"], checked["shapes"], checked["controlled"]
     g = torch.Generator().manual_seed(args.seed)
-    rows, out = [], {"cuda_graphs": False, "args": vars(args), "rows": []}
+    rows, out = [], {"cuda_graphs": False, "graphed_references": torch.cuda.is_available() and args.device != "cpu",
+                     "args": vars(args), "rows": []}
     for name, engine in engines(args, checked, max(levels), args.prompt_len + args.max_new_tokens + 160):
         prompts = bench_prompts(args, engine, max(levels), g)
         table = cost_table(args, engine, controlled)
         out["device"] = table.key.device
+        out["costs_timing"] = table.meta.get("timing")
         target = args.target or args.shape
+        graphed = graphed_twin(engine)
         for c in levels:
             run = partial(measure, engine, prompts[:c], params=SamplingParams(), max_new=args.max_new_tokens,
                           seed=args.seed, concurrency=c)
@@ -201,6 +219,21 @@ def bench(args) -> dict:
             paired_chain = paired_timings(partial(run, spec=None),
                                           partial(controller_run, run, engine, chain, table, chain_decisions),
                                           args.repeats)
+            graphed_fields = {}
+            if graphed is not None:
+                run_g = partial(measure, graphed, prompts[:c], params=SamplingParams(), max_new=args.max_new_tokens,
+                                seed=args.seed, concurrency=c)
+                for spec in (None, best_spec):  # captures the graphs
+                    graphed.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c)
+                vs_graphed = paired_timings(partial(run_g, spec=None),
+                                            partial(controller_run, run, engine, controlled, table, Counter()),
+                                            args.repeats)
+                fixed_graphed = paired_timings(partial(run_g, spec=None), partial(run_g, spec=best_spec), args.repeats)
+                graphed_fields = {"speedup_vs_graphed_plain": vs_graphed["speedup"],
+                                  "speedup_vs_graphed_plain_repeats": vs_graphed["speedup_repeats"],
+                                  "graphed_plain_tokens_per_s": vs_graphed["plain"]["tokens_per_s"],
+                                  "best_fixed_graphed_speedup": fixed_graphed["speedup"],
+                                  "best_fixed_graphed_acceptance": fixed_graphed["spec"]["mean_acceptance"]}
             rows.append({"drafter": name, "target": target, "mode": "controller", "concurrency": c, "temperature": 0.0,
                          **paired_fields(paired_ctl), "acceptance": paired_ctl["spec"]["mean_acceptance"],
                          "within": _label(controlled), "best_fixed": best,
@@ -212,7 +245,8 @@ def bench(args) -> dict:
                          "chain_controller_acceptance": paired_chain["spec"]["mean_acceptance"],
                          "chain_decisions": [[d, w, n] for (d, w), n in sorted(chain_decisions.items())],
                          "sweep": {k: {"speedup": v["tokens_per_s"] / plain["tokens_per_s"],
-                                       "acceptance": v["mean_acceptance"]} for k, v in fixed.items()}})
+                                       "acceptance": v["mean_acceptance"]} for k, v in fixed.items()},
+                         **graphed_fields})
             print(format_row(rows[-1]), flush=True)
             out["rows"] = rows
             out["chain_from_batch"] = chain_from_batch(rows)
@@ -244,9 +278,11 @@ def _label(spec: SpecConfig) -> str:
 
 
 def format_row(r: dict) -> str:
+    graphed = (f"  | with graphs: plain -> controller x{r['speedup_vs_graphed_plain']:.2f}, best fixed "
+               f"x{r['best_fixed_graphed_speedup']:.2f}" if "speedup_vs_graphed_plain" in r else "")
     return (f"{r['drafter']:<22} c={r['concurrency']:<3} controller x{r['speedup']:.2f} (acceptance "
             f"{r['acceptance']:.2f}), as a chain x{r['chain_controller_speedup']:.2f}  best fixed {r['best_fixed']} "
-            f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}")
+            f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}{graphed}")
 
 
 def write(path: str, out: dict) -> None:

@@ -314,22 +314,32 @@ quality)
   tail -n 30 "$RES"/quality_*.log
   ;;
 controller)
-  # Issue 14 (graphs off while the controller is host-chained, tools/bench_controller.py): SmolLM2's cost table
-  # with the drafter of SERVE (its first name=export; restore it first) or this lease's eagle4 run, then the
-  # controller against the best fixed shape with that drafter trained and untrained (MT-Bench prompts), then the
-  # controlled pair at CSHAPE (default qwen3-8b; its own table measured in-process). CCONC: concurrency levels.
-  join_target
-  drafter=${SERVE:-}; drafter=${drafter%% *}; drafter=${drafter#*=}; [ -n "$drafter" ] || drafter=$(export_step eagle4)
-  timeout $(( $(left) / 4 )) python3 recipes/profile_costs.py --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
-    --drafter "$drafter" --batches "${CCONC:-1,8,64}" --contexts 512,2048 --out "$RES/costs_smollm2_h200.json" \
-    --plot "$RES/costs_smollm2_h200.png" > "$RES/profile_costs.log" 2>&1; tail -n 3 "$RES/profile_costs.log"
-  timeout $(( $(left) * 2 / 3 )) python3 tools/bench_controller.py --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
-    --drafter "eagle4=$drafter" --drafter "untrained=$drafter" --prompt-set mtbench --prompt-len 256 \
-    --costs "$RES/costs_smollm2_h200.json" --concurrency "${CCONC:-1,8,64}" --out "$RES/controller_smollm2_h200.json" \
-    > "$RES/controller_smollm2.log" 2>&1; tail -n 8 "$RES/controller_smollm2.log"
-  timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --shape "${CSHAPE:-qwen3-8b}" --noise 0.0,0.3,untrained \
-    --concurrency "${CCONC:-1,8,64}" --out "$RES/controller_${CSHAPE:-qwen3-8b}_h200.json" \
-    > "$RES/controller_pair.log" 2>&1; tail -n 10 "$RES/controller_pair.log"
+  # Issue 14 (the controller serves host-chained without graphs, tools/bench_controller.py). CSTEP=smollm2 (default):
+  # SmolLM2's cost tables with the drafter of SERVE (its first name=export; restore it first) or this lease's eagle4
+  # run -- eager-timed (what the host-chained controller pays) and graph-timed (the hardware's costs, plotted) --
+  # then the controller against the best fixed shape with that drafter trained and untrained (MT-Bench prompts).
+  # CSTEP=pair: the controlled pair at CSHAPE (default qwen3-8b; its own eager table measured in-process), drafters
+  # CNOISE (default 0.0,untrained). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request.
+  if [ "${CSTEP:-smollm2}" = smollm2 ]; then
+    join_target
+    drafter=${SERVE:-}; drafter=${drafter%% *}; drafter=${drafter#*=}; [ -n "$drafter" ] || drafter=$(export_step eagle4)
+    for timing in eager graph; do
+      timeout $(( $(left) / 5 )) python3 recipes/profile_costs.py --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
+        --drafter "$drafter" --batches "${CCONC:-1,8,64}" --contexts 512,2048 --timing $timing \
+        --out "$RES/costs_smollm2_${timing}_h200.json" --plot "$RES/costs_smollm2_${timing}_h200.png" \
+        > "$RES/profile_costs_$timing.log" 2>&1; tail -n 4 "$RES/profile_costs_$timing.log"
+    done
+    costs=(); [ -f "$RES/costs_smollm2_eager_h200.json" ] && costs=(--costs "$RES/costs_smollm2_eager_h200.json")
+    timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
+      --drafter "eagle4=$drafter" --drafter "untrained=$drafter" --prompt-set mtbench --prompt-len 256 \
+      --max-new-tokens "${CNEW:-128}" "${costs[@]}" --concurrency "${CCONC:-1,8,64}" \
+      --out "$RES/controller_smollm2_h200.json" > "$RES/controller_smollm2.log" 2>&1; tail -n 8 "$RES/controller_smollm2.log"
+  else
+    timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --shape "${CSHAPE:-qwen3-8b}" \
+      --noise "${CNOISE:-0.0,untrained}" --max-new-tokens "${CNEW:-64}" --concurrency "${CCONC:-1,8,64}" \
+      --out "$RES/controller_${CSHAPE:-qwen3-8b}_h200.json" > "$RES/controller_pair.log" 2>&1
+    tail -n 10 "$RES/controller_pair.log"
+  fi
   ;;
 *)
   echo "usage: $0 stage|regenerate|train|warm|fetch|restore|quality|controller" >&2; exit 2 ;;

@@ -15,10 +15,14 @@ For every context bucket and padded batch size b, on an idle engine whose rows a
   attention target the cost depends on the node count, not the shape; for a hybrid target, whose
   recurrence steps once per depth, a chain is the dearest shape.
 
-On CUDA each measured function is captured in a CUDA graph (after three eager warm-ups, which also
-compile the fused regions) and the time is the median of R replays bracketed by CUDA events, each
-launched on an idle GPU as an engine's rounds are. Elsewhere it is the median of R wall-clock runs
-after two warm-ups: enough to exercise the profiler in CPU tests, meaningless as costs.
+On CUDA the time is the median of R runs bracketed by CUDA events, each launched on an idle GPU as an
+engine's rounds are, after three eager warm-ups (which also compile the fused regions), in one of two
+``timing`` modes: ``"graph"``, each measured function captured in a CUDA graph and replayed (what a
+graphed round pays), or ``"eager"``, each run launched op by op from the host, so the time holds the
+launches the GPU waits for (what the host-chained controller pays today: it serves without graphs,
+``controlled_drafting.py``). The table records its mode (``meta["timing"]``). Elsewhere it is the median
+of R wall-clock runs after two warm-ups: enough to exercise the profiler in CPU tests, meaningless as
+costs.
 
 Under tensor parallelism every rank runs the same measurements (the target's collectives pair up);
 the table is rank 0's.
@@ -72,6 +76,26 @@ def graph_replay(fn: Callable[[], object], replays: int, keep_graph: bool = Fals
 def graph_ms(fn: Callable[[], object], replays: int) -> float:
     """``graph_replay``'s time alone (the graph is freed)."""
     return graph_replay(fn, replays)[0]
+
+
+def eager_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median time (ms) of ``fn`` launched op by op on an idle GPU (CUDA events around the launches, a
+    sync before each run) after 3 warm-ups: the host's launch latency counts where the GPU waits for it."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+TIMERS = {"graph": graph_ms, "eager": eager_ms}
 
 
 def wall_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -147,10 +171,12 @@ def verify_fn(engine, b: int, ctx: int, n: int) -> Callable[[], object]:
 
 @torch.no_grad()
 def profile_costs(engine, *, batches: list[int], contexts: list[int], widths: list[int], nodes: list[int],
-                  repeats: int, log: Callable[[str], None] | None = None) -> CostTable:
-    """Measure the table of ``engine``'s setup (module docstring). The engine must be idle, hold a
-    drafter, and fit ``max(batches)`` rows of ``profile_rows_needed(...)`` tokens; its pages are
-    lent to the measured rows and given back at the end."""
+                  repeats: int, timing: str = "graph", log: Callable[[str], None] | None = None) -> CostTable:
+    """Measure the table of ``engine``'s setup (module docstring; ``timing``: "graph" or "eager" on CUDA).
+    The engine must be idle, hold a drafter, and fit ``max(batches)`` rows of ``profile_rows_needed(...)``
+    tokens; its pages are lent to the measured rows and given back at the end."""
+    if timing not in TIMERS:
+        raise ValueError(f"timing={timing!r} must be one of {sorted(TIMERS)}.")
     if engine.runner is None:
         raise ValueError("profiling costs needs a drafter: load the engine with one.")
     if engine.has_work:
@@ -160,7 +186,7 @@ def profile_costs(engine, *, batches: list[int], contexts: list[int], widths: li
         raise ValueError(f"the engine holds {engine.max_batch} rows of {engine.max_context} tokens; profiling needs "
                          f"{max(batches)} rows of {need}: build it with max_batch and max_context at least that.")
     on_gpu = engine.device.type == "cuda"
-    timer = graph_ms if on_gpu else wall_ms
+    timer = TIMERS[timing] if on_gpu else wall_ms
     lent = [engine.allocator.alloc(engine.pages_per_row) for _ in range(max(batches))]
     for i, pages in enumerate(lent):
         engine.block_table[i] = torch.tensor(pages, device=engine.device)
@@ -180,11 +206,11 @@ def profile_costs(engine, *, batches: list[int], contexts: list[int], widths: li
         engine.block_table[: len(lent)] = TRASH_PAGE
         for pages in lent:
             engine.allocator.free(pages)
-    meta = {"timing": "cuda-graph" if on_gpu else "wall-clock (CPU: not a cost)", "repeats": repeats,
+    meta = {"timing": timing if on_gpu else "wall-clock (CPU: not a cost)", "repeats": repeats,
             "page_size": engine.page_size, "torch": torch.__version__,
             "created": datetime.now(UTC).isoformat(timespec="seconds")}
     return CostTable(key=cost_key(engine.decoder, engine.runner), widths=list(widths), nodes=list(nodes),
                      batches=list(batches), contexts=list(contexts), depth=depth, verify=verify, meta=meta)
 
 
-__all__ = ["depth_fn", "graph_ms", "graph_replay", "profile_costs", "profile_rows_needed", "verify_fn", "wall_ms"]
+__all__ = ["TIMERS", "depth_fn", "eager_ms", "graph_ms", "graph_replay", "profile_costs", "profile_rows_needed", "verify_fn", "wall_ms"]

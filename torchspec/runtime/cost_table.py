@@ -22,7 +22,7 @@ keeps its table) and the serving dtype.
      "contexts": [512, 2048, 8192],              committed tokens a row
      "depth_ms":  [context][batch][width],
      "verify_ms": [context][batch][node],
-     "meta": {"timing": "cuda-graph", "repeats": 20, ...}}
+     "meta": {"timing": "eager", "repeats": 20, ...}}  (timing: "eager" | "graph", cost_profile.py)
 
 **Lookups** for a round at (batch, ctx): ``depth_ms`` -> [len(widths)], ``verify_ms`` ->
 [N_max + 1] indexed by node count 0..N_max. A batch is rounded UP to the next measured padded batch

@@ -1,0 +1,133 @@
+"""The draft controller on CUDA (skipped without a GPU): its tensor decisions equal the plain-Python
+reference bit for bit when they run on the GPU (random rounds, and rounds recorded from a real
+drafter on the device); the cost profiler measures positive, finite costs in both timing modes
+(CUDA graphs and eager launches) on the device; and greedy output under the controller equals plain
+decoding in fp32 on the GPU, whatever the table makes it choose.
+
+    python -m pytest -q tests/gpu/test_controller_gpu.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.cost_tables import linear_table
+from tests.runtime_pair import build_pair
+from torchspec.runtime.controller_policy import (
+    decide_after_depth,
+    expected_tokens,
+    reference_decide_after_depth,
+    reference_expected_tokens,
+    verify_width,
+)
+from torchspec.runtime.cost_profile import profile_costs
+from torchspec.runtime.cost_table import device_name
+from torchspec.runtime.drafting import SpecConfig
+from torchspec.runtime.loading import load_engine
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tiny_tokenizer):
+    return build_pair(tmp_path_factory.mktemp("controller_gpu"), tiny_tokenizer)
+
+
+def engine_of(pair, **kw):
+    return load_engine(*pair, device="cuda", dtype="float32", max_batch=4, max_context=192, page_size=16,
+                       cuda_graphs=False, **kw)
+
+
+def decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, scale):
+    """((width, stop, go, expected tokens) on CUDA, the same from the reference on the host)."""
+    scale_t = None if scale is None else torch.tensor(scale, device=CUDA)
+    got = decide_after_depth(pool.to(CUDA), front.to(CUDA), edge.to(CUDA), depth, depth_ms.to(CUDA),
+                             verify_ms.to(CUDA), valid.to(CUDA), scale_t)
+    width = verify_width(pool.to(CUDA), depth, depth_ms.to(CUDA), verify_ms.to(CUDA), valid.to(CUDA), scale_t)
+    tokens = expected_tokens(pool.to(CUDA), verify_ms.shape[0] - 1, valid.to(CUDA), scale_t)
+    want = reference_decide_after_depth(pool.tolist(), front.tolist(), edge.tolist(), depth, depth_ms.tolist(),
+                                        verify_ms.tolist(), valid.tolist(), scale)
+    want_tokens = reference_expected_tokens(pool.tolist(), verify_ms.shape[0] - 1, valid.tolist(), scale)
+    assert int(width) == want[0]
+    return (int(got.width), bool(got.stop), bool(got.go), tokens.tolist()), (*want, want_tokens)
+
+
+def test_random_rounds_decide_on_the_gpu_like_the_reference():
+    from tests.unit.test_controller_policy import draft_scores
+
+    gen = torch.Generator().manual_seed(1)
+    seen = set()
+    for i in range(200):
+        rows, k = int(torch.randint(1, 65, (1,), generator=gen)), int(torch.randint(1, 9, (1,), generator=gen))
+        d_max = int(torch.randint(1, 7, (1,), generator=gen))
+        depth = int(torch.randint(0, d_max, (1,), generator=gen))
+        n_max = int(torch.randint(0, 64, (1,), generator=gen))
+        pool, front, edge = draft_scores(gen, rows, k, depth, 200, float(torch.rand(1, generator=gen)) * 8)
+        depth_ms = 0.02 + torch.rand(d_max, generator=gen) * 0.5
+        verify_ms = 1 + torch.cumsum(torch.rand(n_max + 1, generator=gen) * 0.3, 0)
+        valid = torch.rand(rows, generator=gen) < 0.9
+        scale = None if i % 2 else int(torch.randint(0, 2 * 65536, (1,), generator=gen))
+        got, want = decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, scale)
+        assert got == want, (i, rows, k, depth, n_max)
+        seen.add(got[2])
+    assert seen == {True, False}
+
+
+def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_tokenizer, monkeypatch):
+    """Every decision of a real controlled generation on the GPU, replayed through the reference."""
+    import torchspec.runtime.controlled_drafting as cd
+
+    recorded = []
+    real = cd.decide_after_depth
+
+    def recording(pool, front, edge, depth, depth_ms, verify_ms, valid, scale=None):
+        recorded.append([t.detach().cpu().clone() if torch.is_tensor(t) else t
+                         for t in (pool, front, edge, depth, depth_ms, verify_ms, valid, scale)])
+        return real(pool, front, edge, depth, depth_ms, verify_ms, valid, scale)
+
+    monkeypatch.setattr(cd, "decide_after_depth", recording)
+    engine = engine_of(pair)
+    engine.runner.model.lm_head.weight.data.mul_(40.0)  # confident, so rounds go deep (test_controlled_drafting.py)
+    ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "one two three", "alpha")]
+    engine.generate(ps, max_new_tokens=24, spec=SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12),
+                    ignore_eos=True, controller=linear_table(engine, 0.05, 0.02, widths=[1, 3],
+                                                             nodes=[0, 1, 2, 4, 8, 12]))
+    assert len(recorded) > 10
+    for pool, front, edge, depth, depth_ms, verify_ms, valid, scale in recorded:
+        s = None if scale is None else int(scale)
+        got, want = decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, s)
+        assert got == want
+
+
+@pytest.mark.parametrize("timing", ["graph", "eager"])
+def test_profile_costs_on_the_gpu(pair, timing):
+    engine = engine_of(pair)
+    table = profile_costs(engine, batches=[1, 4], contexts=[32, 128], widths=[1, 2], nodes=[0, 2, 8], repeats=3,
+                          timing=timing)
+    assert table.meta["timing"] == timing and table.key.device == device_name(engine.device)
+    for t in (table.depth, table.verify):
+        assert torch.isfinite(t).all() and (t > 0).all()
+    assert math.isfinite(table.verify_ms(4, 100)[-1].item())
+    assert engine.free_pages == engine.total_pages  # the lent pages came back
+    with pytest.raises(ValueError, match="timing"):
+        profile_costs(engine, batches=[1], contexts=[32], widths=[1], nodes=[0], repeats=1, timing="host")
+
+
+@pytest.mark.parametrize("depth_ms,per_node", [(0.01, 100.0), (0.001, 0.001), (0.05, 0.02)],
+                         ids=["plain", "deep", "between"])
+def test_controlled_greedy_equals_plain_on_the_gpu(pair, tiny_tokenizer, depth_ms, per_node):
+    engine = engine_of(pair)
+    engine.runner.model.lm_head.weight.data.mul_(40.0)
+    ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "the cat sat", "alpha", "one")]
+    plain = engine.generate(ps, max_new_tokens=32, ignore_eos=True)
+    for spec in (SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12), SpecConfig(shape="chain", depth=5)):
+        costs = linear_table(engine, depth_ms, per_node, widths=[1, 3], nodes=[0, 1, 2, 4, 8, 12], noise=0.5)
+        out = engine.generate(ps, max_new_tokens=32, spec=spec, ignore_eos=True, controller=costs)
+        assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+        widths = {w for _, w in engine.controller.trace}
+        assert (widths == {0}) if per_node == 100.0 else (max(widths) > 0)
+    assert engine.free_pages == engine.total_pages
