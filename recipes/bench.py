@@ -98,14 +98,15 @@ def check_args(args) -> dict:
     return {"spec": base_spec, "levels": levels, "temps": temps, "shapes": shapes, "prompt_sets": prompt_sets}
 
 
-def measure(engine, prompts, spec, params, max_new, seed, concurrency, controller=None) -> dict:
+def measure(engine, prompts, spec, params, max_new, seed, concurrency, controller=None, controller_mode="ahead"
+            ) -> dict:
     """One timed ``generate``; ``round_ms``: decode time per batched engine round (a plain step for
     plain decoding); ``mean_ctx``: the rows' mean committed length over their decode. ``controller``: a
-    cost table, the draft controller choosing each greedy round's shape within ``spec``."""
+    cost table, the draft controller choosing each greedy round's shape within ``spec`` (``controller_mode``)."""
     rounds_before = engine.decode_rounds
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=max_new, sampling=params, spec=spec, seed=seed,
-                              concurrency=concurrency, controller=controller)
+                              concurrency=concurrency, controller=controller, controller_mode=controller_mode)
     wall = time.perf_counter() - t0
     engine_rounds = engine.decode_rounds - rounds_before
     prefill = sum(r.prefill_s for r in results)
@@ -174,10 +175,11 @@ def run(args) -> dict:
                 group, plains = [], []
                 for shape in shapes:  # every shape paired with plain runs of its own (--repeats)
                     spec = dataclasses.replace(base_spec, shape=shape)
-                    measure(engine, chosen[:c], spec, params, 16, args.seed, c, controller)
+                    mode = args.controller_mode
+                    measure(engine, chosen[:c], spec, params, 16, args.seed, c, controller, mode)
                     paired = paired_timings(partial(measure, engine, chosen, None, params, args.max_new_tokens, args.seed, c),
                                             partial(measure, engine, chosen, spec, params, args.max_new_tokens, args.seed, c,
-                                                    controller), args.repeats)
+                                                    controller, mode), args.repeats)
                     plains.append(paired["plain"])
                     group.append({"prompt_set": set_name, "temperature": temp, "concurrency": c, "mode": shape,
                                   **paired["spec"], **paired_fields(paired)})

@@ -89,7 +89,7 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     results = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=params, spec=spec,
                               seed=args.seed, ignore_eos=args.ignore_eos, controller=controller,
-                              chain_from_batch=args.chain_from_batch)
+                              chain_from_batch=args.chain_from_batch, controller_mode=args.controller_mode)
     wall = time.perf_counter() - t0
     check_tp_consistency([r.token_ids for r in results], tp_group)
     tokens = sum(len(r.token_ids) for r in results)

@@ -13,16 +13,15 @@ Drafters: the controlled-acceptance pair of ``tools/bench_runtime_efficiency.py`
 drafter per ``--noise`` value (``untrained``: a drafter that agrees with nothing, ~0 acceptance), or a
 real target with exported drafters (``--target``, ``--drafter name=path``; ``untrained`` there too).
 
-The controller runs host-chained without CUDA graphs until its per-depth graphs land, so the sweep, the
-pairs and the table measured here (``--timing eager``) use the same engine without graphs: ``speedup``
-and ``best_fixed_speedup`` compare like with like. On CUDA a second engine over the same weights serves
-with graphs, and the controller is also paired with *its* plain decoding (``speedup_vs_graphed_plain``:
-what "never slower than no speculation" is finally judged by) and the best fixed shape with graphs with
-it (``best_fixed_graphed_speedup``). Rows (``--out``, JSON, atomic, rewritten after each row) hold
-``drafter, target, mode, concurrency, temperature, speedup, acceptance``, the best fixed shape and its
-speedup beside the controller's, the controller's (depth, width) decisions, and the same controller drafting a
-chain (k = 1); ``chain_from_batch`` per drafter is the concurrency from which the chain wins (the engine's
-``chain_from_batch``: the table the issue asks to measure per setup).
+``--controller-mode ahead`` (the default) plans each round's shape in the round before, on the GPU, so
+every run here (plain, fixed, controller) serves with CUDA graphs on CUDA, and the table measured here is
+graph-timed; ``within`` decides after every depth on the host, so every run goes without graphs and the
+table is eager-timed (``"cuda_graphs"`` in the JSON says which): compare rows of one file. Rows (``--out``,
+JSON, atomic, rewritten after each row) hold ``drafter, target, mode, concurrency, temperature, speedup,
+acceptance``, the best fixed shape and its speedup beside the controller's, the controller's (depth, width)
+decisions, and the same controller drafting a chain (k = 1); ``chain_from_batch`` per drafter is the
+concurrency from which the chain wins (the engine's ``chain_from_batch``: the table the issue asks to
+measure per setup).
 
     python tools/bench_controller.py --shape smollm2-135m --noise 0.0,0.3,untrained --concurrency 1,8,64 \\
         --out docs/bench/controller_h200.json
@@ -70,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="paired re-timings of the best fixed shape and the controller")
     p.add_argument("--costs", help="a torchspec-profile table of this setup (default: measure it here)")
     p.add_argument("--costs-out", help="where a table measured here is written (default: beside --out)")
+    p.add_argument("--controller-mode", default="ahead", choices=["ahead", "within"],
+                   help="ahead: planned a round before, with CUDA graphs; within: per depth on the host, no graphs")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -116,13 +117,13 @@ def check_args(args) -> dict:
 
 
 def engines(args, checked: dict, max_batch: int, max_context: int):
-    """(drafter name, engine) pairs, built one at a time (graphs off: module docstring)."""
+    """(drafter name, engine) pairs, built one at a time (graphs as the controller mode serves: module docstring)."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    graphs = torch.device(device).type == "cuda" and args.controller_mode == "ahead"
     if args.target is None:
         from bench_runtime_efficiency import build_engine, set_noise
 
-        # the controller is host-chained: every run of this file without graphs
-        engine = build_engine(args.shape, 0.3, max_batch, max_context, args.seed, device=device, cuda_graphs=False)
+        engine = build_engine(args.shape, 0.3, max_batch, max_context, args.seed, device=device, cuda_graphs=graphs)
         for noise in checked["noise"]:
             set_noise(engine, UNTRAINED_NOISE if noise == "untrained" else float(noise), args.seed)
             yield ("untrained" if noise == "untrained" else f"controlled_noise{noise}"), engine
@@ -133,7 +134,7 @@ def engines(args, checked: dict, max_batch: int, max_context: int):
         name, _, path = pair.partition("=")
         untrained = name == "untrained"
         engine = load_engine(args.target, path, device=device, max_batch=max_batch, max_context=max_context,
-                             cuda_graphs=False, fuse=not untrained, cache_dir=str(pathlib.Path(args.cache_dir).expanduser()))
+                             cuda_graphs=graphs, fuse=not untrained, cache_dir=str(pathlib.Path(args.cache_dir).expanduser()))
         if untrained:  # the export's architecture at training step 0 (fused for serving after the re-init)
             untrain(engine.runner.model, args.seed)
             engine.decoder.fuse_for_serving()
@@ -162,18 +163,6 @@ def bench_prompts(args, engine, n: int, g: torch.Generator) -> list[list[int]]:
     return torch.randint(0, engine.decoder.vocab_size, (n, args.prompt_len), generator=g).tolist()
 
 
-def graphed_twin(engine):
-    """On CUDA, an engine with CUDA graphs over ``engine``'s decoder and drafter (already fused): the
-    plain and fixed references at their fastest. None elsewhere."""
-    if engine.device.type != "cuda":
-        return None
-    from torchspec.runtime.engine import SpeculativeEngine
-
-    return SpeculativeEngine(engine.decoder, engine.runner, engine.tokenizer, max_batch=engine.max_batch,
-                             max_context=engine.max_context, page_size=engine.page_size, cuda_graphs=True, fuse=False,
-                             prefix_cache=engine.prefix_cache is not None)
-
-
 def cost_table(args, engine, controlled: SpecConfig):
     from torchspec.runtime.cost_profile import profile_costs
     from torchspec.runtime.cost_table import CostTable, cost_key
@@ -184,7 +173,7 @@ def cost_table(args, engine, controlled: SpecConfig):
     table = profile_costs(engine, batches=sorted(set(csv_values("--concurrency", args.concurrency, int))),
                           contexts=[args.prompt_len + args.max_new_tokens // 2], widths=sorted({1, controlled.topk}),
                           nodes=[m for m in (0, 1, 2, 4, 8, 16, 32, 48, 64) if m < n] + [n],
-                          repeats=max(3, args.repeats), timing="eager")  # as the controller serves (module doc)
+                          repeats=max(3, args.repeats), timing="graph" if engine.graphs is not None else "eager")
     table.save(args.costs_out or pathlib.Path(args.out).with_suffix(".costs.json"))
     return table
 
@@ -193,20 +182,22 @@ def bench(args) -> dict:
     checked = check_args(args)
     levels, shapes, controlled = checked["levels"], checked["shapes"], checked["controlled"]
     g = torch.Generator().manual_seed(args.seed)
-    rows, out = [], {"cuda_graphs": False, "graphed_references": torch.cuda.is_available() and args.device != "cpu",
-                     "args": vars(args), "rows": []}
+    mode = args.controller_mode
+    rows, out = [], {"controller_mode": mode, "args": vars(args), "rows": []}
     for name, engine in engines(args, checked, max(levels), args.prompt_len + args.max_new_tokens + 160):
         prompts = bench_prompts(args, engine, max(levels), g)
         table = cost_table(args, engine, controlled)
         out["device"] = table.key.device
         out["costs_timing"] = table.meta.get("timing")
+        out["cuda_graphs"] = engine.graphs is not None
         target = args.target or args.shape
-        graphed = graphed_twin(engine)
         for c in levels:
             run = partial(measure, engine, prompts[:c], params=SamplingParams(), max_new=args.max_new_tokens,
                           seed=args.seed, concurrency=c)
-            for spec, ctl in [(None, None), *[(s, None) for s in shapes], (controlled, table)]:  # compiles, warm-up
-                engine.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c, controller=ctl)
+            for spec in [None, *shapes]:  # compiles, captures the graphs
+                engine.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c)
+            for spec in (controlled, SpecConfig(shape="chain", depth=controlled.depth)):  # the shapes it plans
+                run(spec=spec, controller=table, controller_mode=mode)
             plain = run(spec=None)
             fixed = {_label(s): run(spec=s) for s in shapes}
             best = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
@@ -214,26 +205,11 @@ def bench(args) -> dict:
             decisions, chain_decisions = Counter(), Counter()
             paired_best = paired_timings(partial(run, spec=None), partial(run, spec=best_spec), args.repeats)
             paired_ctl = paired_timings(partial(run, spec=None),
-                                        partial(controller_run, run, engine, controlled, table, decisions), args.repeats)
+                                        partial(controller_run, run, engine, controlled, table, mode, decisions), args.repeats)
             chain = SpecConfig(shape="chain", depth=controlled.depth)  # the controller's k = 1 (chain_from_batch)
             paired_chain = paired_timings(partial(run, spec=None),
-                                          partial(controller_run, run, engine, chain, table, chain_decisions),
+                                          partial(controller_run, run, engine, chain, table, mode, chain_decisions),
                                           args.repeats)
-            graphed_fields = {}
-            if graphed is not None:
-                run_g = partial(measure, graphed, prompts[:c], params=SamplingParams(), max_new=args.max_new_tokens,
-                                seed=args.seed, concurrency=c)
-                for spec in (None, best_spec):  # captures the graphs
-                    graphed.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c)
-                vs_graphed = paired_timings(partial(run_g, spec=None),
-                                            partial(controller_run, run, engine, controlled, table, Counter()),
-                                            args.repeats)
-                fixed_graphed = paired_timings(partial(run_g, spec=None), partial(run_g, spec=best_spec), args.repeats)
-                graphed_fields = {"speedup_vs_graphed_plain": vs_graphed["speedup"],
-                                  "speedup_vs_graphed_plain_repeats": vs_graphed["speedup_repeats"],
-                                  "graphed_plain_tokens_per_s": vs_graphed["plain"]["tokens_per_s"],
-                                  "best_fixed_graphed_speedup": fixed_graphed["speedup"],
-                                  "best_fixed_graphed_acceptance": fixed_graphed["spec"]["mean_acceptance"]}
             rows.append({"drafter": name, "target": target, "mode": "controller", "concurrency": c, "temperature": 0.0,
                          **paired_fields(paired_ctl), "acceptance": paired_ctl["spec"]["mean_acceptance"],
                          "within": _label(controlled), "best_fixed": best,
@@ -245,8 +221,7 @@ def bench(args) -> dict:
                          "chain_controller_acceptance": paired_chain["spec"]["mean_acceptance"],
                          "chain_decisions": [[d, w, n] for (d, w), n in sorted(chain_decisions.items())],
                          "sweep": {k: {"speedup": v["tokens_per_s"] / plain["tokens_per_s"],
-                                       "acceptance": v["mean_acceptance"]} for k, v in fixed.items()},
-                         **graphed_fields})
+                                       "acceptance": v["mean_acceptance"]} for k, v in fixed.items()}})
             print(format_row(rows[-1]), flush=True)
             out["rows"] = rows
             out["chain_from_batch"] = chain_from_batch(rows)
@@ -266,9 +241,9 @@ def chain_from_batch(rows: list[dict]) -> dict[str, int | None]:
     return out
 
 
-def controller_run(run, engine, spec: SpecConfig, table, decisions: Counter) -> dict:
+def controller_run(run, engine, spec: SpecConfig, table, mode: str, decisions: Counter) -> dict:
     """``run`` with the controller; every generate starts its own trace, so each run's decisions are counted."""
-    result = run(spec=spec, controller=table)
+    result = run(spec=spec, controller=table, controller_mode=mode)
     decisions.update(engine.controller.trace)
     return result
 
@@ -278,11 +253,9 @@ def _label(spec: SpecConfig) -> str:
 
 
 def format_row(r: dict) -> str:
-    graphed = (f"  | with graphs: plain -> controller x{r['speedup_vs_graphed_plain']:.2f}, best fixed "
-               f"x{r['best_fixed_graphed_speedup']:.2f}" if "speedup_vs_graphed_plain" in r else "")
     return (f"{r['drafter']:<22} c={r['concurrency']:<3} controller x{r['speedup']:.2f} (acceptance "
             f"{r['acceptance']:.2f}), as a chain x{r['chain_controller_speedup']:.2f}  best fixed {r['best_fixed']} "
-            f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}{graphed}")
+            f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}")
 
 
 def write(path: str, out: dict) -> None:

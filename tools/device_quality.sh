@@ -314,26 +314,23 @@ quality)
   tail -n 30 "$RES"/quality_*.log
   ;;
 controller)
-  # Issue 14 (the controller serves host-chained without graphs, tools/bench_controller.py). CSTEP=smollm2 (default):
-  # SmolLM2's cost tables with the drafter of SERVE (its first name=export; restore it first) or this lease's eagle4
-  # run -- eager-timed (what the host-chained controller pays) and graph-timed (the hardware's costs, plotted) --
-  # then the controller against the best fixed shape with that drafter trained and untrained (MT-Bench prompts).
-  # CSTEP=pair: the controlled pair at CSHAPE (default qwen3-8b; its own eager table measured in-process), drafters
-  # CNOISE (default 0.0,untrained). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request.
+  # Issue 14 (tools/bench_controller.py; the controller plans each round a round ahead, every shape a CUDA graph).
+  # CSTEP=smollm2 (default): the controller against the best fixed shape with the drafter of SERVE (its first
+  # name=export; restore it first) or this lease's eagle4 run, trained and untrained (MT-Bench prompts), with the
+  # graph-timed cost table it measures in-process; then, with the time left, torchspec-profile's table over two
+  # context buckets and its plot. CSTEP=pair: the controlled pair at CSHAPE (default qwen3-8b), drafters CNOISE
+  # (default 0.0,untrained). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request.
   if [ "${CSTEP:-smollm2}" = smollm2 ]; then
     join_target
     drafter=${SERVE:-}; drafter=${drafter%% *}; drafter=${drafter#*=}; [ -n "$drafter" ] || drafter=$(export_step eagle4)
-    for timing in eager graph; do
-      timeout $(( $(left) / 5 )) python3 recipes/profile_costs.py --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
-        --drafter "$drafter" --batches "${CCONC:-1,8,64}" --contexts 512,2048 --timing $timing \
-        --out "$RES/costs_smollm2_${timing}_h200.json" --plot "$RES/costs_smollm2_${timing}_h200.png" \
-        > "$RES/profile_costs_$timing.log" 2>&1; tail -n 4 "$RES/profile_costs_$timing.log"
-    done
-    costs=(); [ -f "$RES/costs_smollm2_eager_h200.json" ] && costs=(--costs "$RES/costs_smollm2_eager_h200.json")
-    timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
-      --drafter "eagle4=$drafter" --drafter "untrained=$drafter" --prompt-set mtbench --prompt-len 256 \
-      --max-new-tokens "${CNEW:-128}" "${costs[@]}" --concurrency "${CCONC:-1,8,64}" \
+    timeout $(( $(left) - ${PROFILE_S:-90} )) python3 tools/bench_controller.py --target "$W/smollm2.gguf" \
+      --cache-dir "$W/cache" --drafter "eagle4=$drafter" --drafter "untrained=$drafter" --prompt-set mtbench \
+      --prompt-len 256 --max-new-tokens "${CNEW:-128}" --concurrency "${CCONC:-1,8,64}" \
       --out "$RES/controller_smollm2_h200.json" > "$RES/controller_smollm2.log" 2>&1; tail -n 8 "$RES/controller_smollm2.log"
+    timeout $(( $(left) - 5 )) python3 recipes/profile_costs.py --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
+      --drafter "$drafter" --batches "${CCONC:-1,8,64}" --contexts 512,2048 --widths 1,8 --nodes 0,1,2,4,8,16,32 \
+      --timing graph --out "$RES/costs_smollm2_h200.json" --plot "$RES/costs_smollm2_h200.png" \
+      > "$RES/profile_costs.log" 2>&1; tail -n 4 "$RES/profile_costs.log"
   else
     timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --shape "${CSHAPE:-qwen3-8b}" \
       --noise "${CNOISE:-0.0,untrained}" --max-new-tokens "${CNEW:-64}" --concurrency "${CCONC:-1,8,64}" \

@@ -2,7 +2,8 @@
 reference bit for bit when they run on the GPU (random rounds, and rounds recorded from a real
 drafter on the device); the cost profiler measures positive, finite costs in both timing modes
 (CUDA graphs and eager launches) on the device; and greedy output under the controller equals plain
-decoding in fp32 on the GPU, whatever the table makes it choose.
+decoding in fp32 on the GPU, whatever the table makes it choose -- host-chained without graphs
+("within") and planned a round ahead with every planned shape a CUDA graph ("ahead").
 
     python -m pytest -q tests/gpu/test_controller_gpu.py
 """
@@ -37,9 +38,9 @@ def pair(tmp_path_factory, tiny_tokenizer):
     return build_pair(tmp_path_factory.mktemp("controller_gpu"), tiny_tokenizer)
 
 
-def engine_of(pair, **kw):
+def engine_of(pair, cuda_graphs: bool = False):
     return load_engine(*pair, device="cuda", dtype="float32", max_batch=4, max_context=192, page_size=16,
-                       cuda_graphs=False, **kw)
+                       cuda_graphs=cuda_graphs)
 
 
 def decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, scale):
@@ -117,17 +118,22 @@ def test_profile_costs_on_the_gpu(pair, timing):
         profile_costs(engine, batches=[1], contexts=[32], widths=[1], nodes=[0], repeats=1, timing="host")
 
 
+@pytest.mark.parametrize("mode", ["within", "ahead"])
 @pytest.mark.parametrize("depth_ms,per_node", [(0.01, 100.0), (0.001, 0.001), (0.05, 0.02)],
                          ids=["plain", "deep", "between"])
-def test_controlled_greedy_equals_plain_on_the_gpu(pair, tiny_tokenizer, depth_ms, per_node):
-    engine = engine_of(pair)
+def test_controlled_greedy_equals_plain_on_the_gpu(pair, tiny_tokenizer, depth_ms, per_node, mode):
+    engine = engine_of(pair, cuda_graphs=mode == "ahead")
     engine.runner.model.lm_head.weight.data.mul_(40.0)
     ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "the cat sat", "alpha", "one")]
     plain = engine.generate(ps, max_new_tokens=32, ignore_eos=True)
     for spec in (SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12), SpecConfig(shape="chain", depth=5)):
         costs = linear_table(engine, depth_ms, per_node, widths=[1, 3], nodes=[0, 1, 2, 4, 8, 12], noise=0.5)
-        out = engine.generate(ps, max_new_tokens=32, spec=spec, ignore_eos=True, controller=costs)
-        assert [r.token_ids for r in out] == [r.token_ids for r in plain]
-        widths = {w for _, w in engine.controller.trace}
-        assert (widths == {0}) if per_node == 100.0 else (max(widths) > 0)
+        for concurrency in (1, 4):
+            out = engine.generate(ps, max_new_tokens=32, spec=spec, ignore_eos=True, controller=costs,
+                                  controller_mode=mode, concurrency=concurrency)
+            assert [r.token_ids for r in out] == [r.token_ids for r in plain], (spec.shape, concurrency)
+            widths = {w for _, w in engine.controller.trace}
+            assert (widths == {0}) if per_node == 100.0 else (max(widths) > 0)
     assert engine.free_pages == engine.total_pages
+    if mode == "ahead":  # every planned shape ran as a captured graph
+        assert len(engine.graphs) > 4 and not engine.graphs._failed

@@ -147,7 +147,7 @@ def test_generate_under_the_controller_equals_plain_and_a_foreign_table_is_refus
               "--json", "-"]
     plain = run_generate(capsys, common + ["--no-spec"])
     spec_args = ["--drafter", drafter, "--depth", "4", "--topk", "3", "--num-nodes", "10", "--controller", str(costs)]
-    for extra in ([], ["--chain-from-batch", "2"]):
+    for extra in ([], ["--chain-from-batch", "2"], ["--controller-mode", "within"]):
         out = run_generate(capsys, common + spec_args + extra)
         assert [r["token_ids"] for r in out["results"]] == [r["token_ids"] for r in plain["results"]]
     foreign = json.loads(costs.read_text())
@@ -163,6 +163,7 @@ def test_generate_under_the_controller_equals_plain_and_a_foreign_table_is_refus
     (["--no-spec", "--controller", "x.json"], "drop --no-spec"),
     (["--controller", "/nonexistent/costs.json"], "torchspec-profile"),
     (["--chain-from-batch", "4"], "needs --controller"),
+    (["--controller-mode", "within"], "--controller-mode needs --controller"),
 ])
 def test_controller_options_are_one_line_errors(pair, capsys, extra, message):
     argv = ["--target", pair[0], "--device", "cpu", "--prompt", "hi", "--json", "-"]

@@ -14,7 +14,7 @@ import torch
 
 from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
-from torchspec.runtime.controlled_drafting import Calibration
+from torchspec.runtime.controlled_drafting import MODES, Calibration
 from torchspec.runtime.controller_policy import SCALE_ONE
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafting import SpecConfig
@@ -69,35 +69,41 @@ def table(engine, depth: float, verify_per_node: float, *, noise: float = 0.0, s
     return linear_table(engine, depth, verify_per_node, widths=[1, 2, 3], nodes=NODES, noise=noise, seed=seed)
 
 
-def run(engine, tokenizer, n: int, spec: SpecConfig, costs: CostTable):
-    out = engine.generate(prompts(tokenizer, n), max_new_tokens=32, spec=spec, ignore_eos=True, controller=costs)
+@pytest.fixture(params=MODES)
+def mode(request):
+    return request.param
+
+
+def run(engine, tokenizer, n: int, spec: SpecConfig, costs: CostTable, mode: str):
+    out = engine.generate(prompts(tokenizer, n), max_new_tokens=32, spec=spec, ignore_eos=True, controller=costs,
+                          controller_mode=mode)
     return out, list(engine.controller.trace)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_verification_too_dear_decodes_plainly(engine, plain, tiny_tokenizer, spec, batch):
-    out, trace = run(engine, tiny_tokenizer, batch, spec, table(engine, depth=0.01, verify_per_node=50.0))
+def test_verification_too_dear_decodes_plainly(engine, plain, tiny_tokenizer, spec, batch, mode):
+    out, trace = run(engine, tiny_tokenizer, batch, spec, table(engine, depth=0.01, verify_per_node=50.0), mode)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain[batch]]
     assert trace and all(width == 0 for _, width in trace)
     assert all(set(r.accept_lengths) == {1} for r in out)  # one token a round: a plain step
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)
-def test_cheap_drafting_goes_deep_and_wide(confident, plain, tiny_tokenizer, spec):
-    out, trace = run(confident, tiny_tokenizer, 3, spec, table(confident, depth=1e-4, verify_per_node=1e-4))
+def test_cheap_drafting_goes_deep_and_wide(confident, plain, tiny_tokenizer, spec, mode):
+    out, trace = run(confident, tiny_tokenizer, 3, spec, table(confident, depth=1e-4, verify_per_node=1e-4), mode)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain[3]]
     assert max(d for d, _ in trace) == spec.depth and max(w for _, w in trace) > spec.depth // 2
     assert max(max(r.accept_lengths) for r in out) > 1  # the pair agrees: drafts are accepted
 
 
-def test_every_decision_keeps_greedy_output(confident, plain, tiny_tokenizer):
+def test_every_decision_keeps_greedy_output(confident, plain, tiny_tokenizer, mode):
     """Random tables between the two regimes: whatever depth and width each round gets, the text is plain's."""
     seen = set()
     for seed in range(7):
         spec = SPECS[seed % 2]
         costs = table(confident, depth=1e-3 + 0.02 * seed, verify_per_node=0.01 * 3 ** seed, noise=0.5, seed=seed)
-        out, trace = run(confident, tiny_tokenizer, 1 + 2 * (seed % 2), spec, costs)
+        out, trace = run(confident, tiny_tokenizer, 1 + 2 * (seed % 2), spec, costs, mode)
         assert [r.token_ids for r in out] == [r.token_ids for r in plain[1 + 2 * (seed % 2)]], seed
         seen |= set(trace)
     depths, widths = {d for d, _ in seen}, {w for _, w in seen}
@@ -117,19 +123,22 @@ def test_bad_controller_configurations_are_refused(engine):
     engine.configure(spec=SPECS[0], controller=small, concurrency=2)
     with pytest.raises(ValueError, match="nodes go up to 12 but spec verifies up to 20"):
         engine.configure(spec=SpecConfig(shape="tree", depth=4, topk=3, num_nodes=20), controller=costs)
+    with pytest.raises(ValueError, match="controller mode='sideways' must be one of"):
+        engine.configure(spec=SPECS[0], controller=costs, controller_mode="sideways")
     engine.configure()  # plain again: the fixture's engine stays usable
 
 
-def test_a_confidently_wrong_drafter_is_soon_not_verified(confidently_wrong, plain, tiny_tokenizer):
+def test_a_confidently_wrong_drafter_is_soon_not_verified(confidently_wrong, plain, tiny_tokenizer, mode):
     """Its confidence promises a wide tree; the calibration learns within a few rounds that nothing it
     proposes is accepted, and the controller then decodes plainly, probing one or two nodes now and then
     (a node costing 10% of a step pays from 10% acceptance on: the probes are the price of noticing a
     drafter that improves)."""
     costs = table(confidently_wrong, depth=0.02, verify_per_node=0.1)
-    out, trace = run(confidently_wrong, tiny_tokenizer, 1, SPECS[0], costs)
+    out, trace = run(confidently_wrong, tiny_tokenizer, 1, SPECS[0], costs, mode)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain[1]]
     widths = [w for _, w in trace]
-    assert widths[0] > 0  # before any evidence the confidence is believed
+    first = 0 if mode == "within" else 1  # ahead: the first round drafts depth 0 alone and plans the second
+    assert widths[first] > 0  # before any evidence the confidence is believed
     assert sum(w == 0 for w in widths[3:]) >= 0.8 * len(widths[3:])
 
 
@@ -150,16 +159,43 @@ def test_calibration_is_the_decayed_ratio_and_drifts_back_without_evidence():
     assert float(cal.accepted) == pytest.approx(4.0 + 0.0, abs=1e-2)
 
 
-def test_from_chain_from_batch_rows_on_greedy_rounds_draft_a_chain(confident, plain, tiny_tokenizer):
+def test_from_chain_from_batch_rows_on_greedy_rounds_draft_a_chain(confident, plain, tiny_tokenizer, mode):
     """chain_from_batch=1: every round a chain (k = 1: at most spec.depth nodes verified); above the batch (4 for
     3 rows, which finish at different rounds) the same table drafts the k-wide tree, wider than the depth."""
     costs = table(confident, depth=1e-4, verify_per_node=1e-4)
     spec = SPECS[0]
     for chain_from, chain in ((1, True), (4, False)):
         out = confident.generate(prompts(tiny_tokenizer, 3), max_new_tokens=32, spec=spec, ignore_eos=True,
-                                 controller=costs, chain_from_batch=chain_from)
+                                 controller=costs, chain_from_batch=chain_from, controller_mode=mode)
         assert [r.token_ids for r in out] == [r.token_ids for r in plain[3]]
         widest = max(w for _, w in confident.controller.trace)
         assert (widest <= spec.depth) if chain else (widest > spec.depth), (chain_from, confident.controller.trace)
     with pytest.raises(ValueError, match="chain_from_batch=0"):
         confident.configure(spec=spec, controller=costs, chain_from_batch=0)
+
+
+def test_ahead_rounds_draft_what_the_round_before_planned(confident, plain, tiny_tokenizer, monkeypatch):
+    """Ahead mode: each greedy round's (depth, width) is the plan the previous round wrote on the device (clamped to
+    the spec and to an allowed width), the first round drafts depth 0 alone, and depths grow one a round at most."""
+    import torchspec.runtime.controlled_drafting as cd
+
+    plans, real = [], cd.draft_ahead_tree
+
+    def recording(*args):
+        tree, plan = real(*args)
+        plans.append(plan.tolist())
+        return tree, plan
+
+    monkeypatch.setattr(cd, "draft_ahead_tree", recording)
+    import torchspec.runtime.steps as steps
+    monkeypatch.setattr(steps, "draft_ahead_tree", recording)
+    spec = SPECS[0]
+    costs = table(confident, depth=0.01, verify_per_node=0.02, noise=0.5)
+    out, trace = run(confident, tiny_tokenizer, 1, spec, costs, "ahead")
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain[1]]
+    assert trace[0] == (1, 0) and len(plans) == len(trace)
+    for (depth, width), planned in zip(trace[1:], plans):
+        assert depth == min(planned[0], spec.depth) and width <= planned[1]
+        assert width == planned[1] or width == max(n for n in NODES if n <= planned[1])
+    assert all(b[0] <= a[0] + 1 for a, b in zip(trace, trace[1:]))
+    assert max(d for d, _ in trace) >= 3 and max(w for _, w in trace) >= 4, trace

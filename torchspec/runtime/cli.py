@@ -55,9 +55,12 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "(point-mass rule); auto = sampled")
     g.add_argument("--controller", default=None, metavar="COSTS.json",
                    help="the draft controller with this torchspec-profile table: each round's depth and width are "
-                        "chosen within the shape above (host-chained for now, so CUDA graphs are off)")
+                        "chosen within the shape above")
     g.add_argument("--chain-from-batch", type=int, default=None,
                    help="with --controller: greedy rounds of this many rows or more draft a chain")
+    g.add_argument("--controller-mode", default="ahead", choices=["ahead", "within"],
+                   help="with --controller: ahead = each round's shape planned by the previous round on the GPU "
+                        "(CUDA graphs); within = decided after every depth on the host (no CUDA graphs)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -92,7 +95,7 @@ def spec_from_args(args) -> SpecConfig | None:
 def engine_kwargs(args) -> dict:
     kwargs = {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch,
               "max_context": args.max_context, "page_size": args.page_size, "cache_dir": args.cache_dir}
-    if getattr(args, "controller", None):  # the controller is host-chained: no CUDA graphs yet
+    if getattr(args, "controller", None) and args.controller_mode == "within":  # host-chained: no CUDA graphs
         kwargs["cuda_graphs"] = False
     return kwargs
 
@@ -126,6 +129,8 @@ def check_engine_args(args, spec: SpecConfig | None) -> None:
         if not Path(args.controller).is_file():
             raise ValueError(f"--controller {args.controller} does not exist; measure it with torchspec-profile "
                              f"--target T --drafter D --out {args.controller}.")
+    if getattr(args, "controller_mode", "ahead") != "ahead" and not getattr(args, "controller", None):
+        raise ValueError("--controller-mode needs --controller (it is how the controller decides).")
     if getattr(args, "chain_from_batch", None) is not None:
         if not getattr(args, "controller", None):
             raise ValueError("--chain-from-batch needs --controller (it is a choice the controller makes).")

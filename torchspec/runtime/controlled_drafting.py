@@ -17,10 +17,19 @@ evaluated after the round on its own tree (``sampled_go_flags``: each level's no
 probability their draft distribution gave them) and verifies every drafted node, as the fixed sampled
 tree does. Rounds with deterministic candidates at T > 0 keep ``spec``'s fixed shape.
 
-**Host-chained.** The go flag is read on the host after every depth (one sync a depth) and the width
-once per round: the fallback the issue keeps behind a flag. The device-chained rounds (the flags read
-by a one-thread kernel that launches the next depth's graph) need per-depth CUDA graphs and land with
-them; until then the controller runs without graphs (``SpeculativeEngine(cuda_graphs=False)``).
+**Two modes.** ``"ahead"`` (the default) decides each greedy round's shape one round ahead, on the GPU:
+a round drafts the (depth, width) planned for it, as a fixed shape, and after drafting it evaluates the
+criterion at each of its depths on its own scores (``decide_after_depth``, the frontier kept even at its
+last depth, ``grow_dynamic_tree(frontier_at_last=True)``): the next round drafts up to the depth where it
+stopped (one more when it never did, as sampled rounds do) and verifies the width chosen there, restricted
+to the node counts the table measured. The plan is two ints in the round's output, read by the host with
+the committed tokens in the round's one sync: the host never waits inside a round, and every planned shape
+is a static round that CUDA graphs capture (one per (depth, width) and batch). A planned width 0 drafts
+depth 0 alone (the top-k of the drafter state the catch-up already computed) and verifies the root only: a
+plain step that keeps the drafter current and its confidence in view. ``"within"`` decides inside the
+round, after every depth, on the host (one sync a depth): the same criterion on the round's own
+frontier, without CUDA graphs (``SpeculativeEngine(cuda_graphs=False)``). Device-chained per-depth graphs
+(a one-thread kernel launching the next depth's graph) are not built.
 
 **Calibration.** The drafter's confidence is the controller's only estimate of acceptance, and a
 drafter can be confidently wrong (an untrained one whose head is the target's). ``Calibration`` keeps,
@@ -55,10 +64,14 @@ from torchspec.runtime.controller_policy import (
 )
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
-from torchspec.runtime.drafting import DraftInputs, SpecConfig, grow_dynamic_tree
+from torchspec.runtime.drafting import DraftInputs, SpecConfig, TreePool, grow_dynamic_tree
 from torchspec.runtime.paged_kv import PagedKVCache
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.tree import DraftTree
+
+MODES = ("ahead", "within")
+DENSE_WIDTHS = 8  # ahead mode verifies any width up to this; beyond it, only the node counts the table measured
+UNMEASURED_MS = 1e9  # the verify cost of a width beyond DENSE_WIDTHS the table did not measure (never chosen)
 
 
 class Calibration:
@@ -96,27 +109,35 @@ class RoundCosts:
     candidates plus the catch-up forward any speculating round pays, timed as a width-1 depth; depth
     d >= 1: a drafter depth over the k-node frontier) and ``verify_ms`` [N + 1] (index: drafted nodes
     verified; 0 is a plain step). ``trace`` collects (depths drafted, width) per round; ``calibration``
-    scales the drafter's confidence (module docstring)."""
+    scales the drafter's confidence (module docstring). A round's ``plan`` (ahead mode: the (depth, width)
+    it drafts) is part of its graph's key; the tensors are its graph's inputs."""
 
     depth_ms: torch.Tensor
     verify_ms: torch.Tensor
     calibration: Calibration
     trace: list[tuple[int, int]] = field(default_factory=list)
     max_sampled_depth: int = 0  # sampled rounds: the deepest they may grow (spec's depth)
-    sampled_next: torch.Tensor | None = None  # sampled rounds: the next round's depth (0-d, set by speculate)
+    plan: tuple[int, int] | None = None  # ahead mode: this greedy round's (depths drafted, width verified)
 
     @classmethod
     def lookup(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, calibration: Calibration,
-               trace: list[tuple[int, int]] | None = None) -> RoundCosts:
+               trace: list[tuple[int, int]] | None = None, measured_only: bool = False) -> RoundCosts:
         """The costs of a round of ``spec``'s shape at padded ``batch`` and ``ctx`` committed tokens
-        (``trace``: the list the round's decision is appended to)."""
+        (``trace``: the list the round's decision is appended to; ``measured_only``: widths above
+        ``DENSE_WIDTHS`` the table did not measure cost ``UNMEASURED_MS``, so the policy picks every small
+        width (a chain grows one node a depth) and otherwise the measured node counts: ahead mode's graphs
+        are one per planned (depth, width), a few dozen at most)."""
         k = 1 if spec.shape == "chain" else spec.topk
         depth_row = table.depth_ms(batch, ctx)  # [len(table.widths)]
         one, wide = depth_row[table.widths.index(1)], depth_row[table.widths.index(k)]
         device = calibration.accepted.device
         depth_ms = torch.cat([one[None], wide.expand(spec.depth - 1)]).to(device)
-        verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1].to(device)
-        return cls(depth_ms, verify_ms, calibration, [] if trace is None else trace)
+        verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1]
+        if measured_only:
+            measured = torch.arange(verify_ms.shape[0]) <= DENSE_WIDTHS
+            measured[[n for n in table.nodes if n < verify_ms.shape[0]]] = True
+            verify_ms = torch.where(measured, verify_ms, UNMEASURED_MS)
+        return cls(depth_ms, verify_ms.to(device), calibration, [] if trace is None else trace)
 
     @classmethod
     def lookup_sampled(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, calibration: Calibration
@@ -150,43 +171,96 @@ def check_table_for(table: CostTable, spec: SpecConfig) -> None:
                          f"torchspec-profile with --nodes up to {most} or lower spec num_nodes.")
 
 
+def pool_size(spec: SpecConfig, depth: int) -> int:
+    """Nodes a dynamic tree of ``spec``'s top-k (1: a chain) holds after ``depth`` depths."""
+    k = 1 if spec.shape == "chain" else spec.topk
+    return k + (depth - 1) * k * k
+
+
 class Controller:
     """The draft controller across rounds (``SpeculativeEngine.configure(controller=table)``): the cost table,
-    the drafter's ``calibration``, each round's shape (``plan``) and what it chose (``trace``: greedy rounds'
-    (depths drafted, width); ``sampled_depths``: each sampled round's depth). At a padded batch of
+    the drafter's ``calibration``, each round's shape (``plan``), what the round decided for the next
+    (``after``), and what it chose (``trace``: greedy rounds' (depths drafted, width); ``sampled_depths``: each
+    sampled round's depth). ``mode``: "ahead" or "within" (module docstring). At a padded batch of
     ``chain_from_batch`` rows or more, greedy rounds draft a chain (k = 1, up to ``spec.depth``, verified to
     the width the criterion picks) instead of the k-wide tree: at high concurrency a k-wide frontier multiplies
     the drafter's rows by k (``tools/bench_controller.py`` measures where that pays)."""
 
     def __init__(self, table: CostTable, spec: SpecConfig, calibration: Calibration,
-                 chain_from_batch: int | None = None):
+                 chain_from_batch: int | None = None, mode: str = "ahead"):
         check_table_for(table, spec)
         if chain_from_batch is not None and chain_from_batch < 1:
             raise ValueError(f"chain_from_batch={chain_from_batch} must be >= 1 (or None: always the tree).")
+        if mode not in MODES:
+            raise ValueError(f"controller mode={mode!r} must be one of {MODES}.")
         self.table, self.spec, self.calibration, self.chain_from_batch = table, spec, calibration, chain_from_batch
+        self.mode = mode
         self.chain = dataclasses.replace(spec, shape="chain")
         self.trace: list[tuple[int, int]] = []
         self.sampled_depths: list[int] = []
         self.sampled_depth = min(INITIAL_SAMPLED_DEPTH, spec.depth)
+        self.next_plan = (1, 0)  # ahead mode: a first greedy round drafts depth 0 and verifies nothing
 
     def plan(self, params, batch: int, ctx: int) -> tuple[SpecConfig, RoundCosts | None]:
         """The round's shape and costs: a greedy round chooses within ``spec`` (a chain from
-        ``chain_from_batch`` rows on); a sampled tree drafts the depth the previous sampled round chose;
-        deterministic candidates at T > 0 keep ``spec`` (no costs)."""
+        ``chain_from_batch`` rows on; ahead mode: the shape the previous greedy round planned, its depth and
+        width as ``spec``'s depth and node count and in ``costs.plan``); a sampled tree drafts the depth the
+        previous sampled round chose; deterministic candidates at T > 0 keep ``spec`` (no costs)."""
         if params.greedy:
             chain = self.chain_from_batch is not None and batch >= self.chain_from_batch
-            spec = self.chain if chain else self.spec
-            return spec, RoundCosts.lookup(self.table, spec, batch, ctx, self.calibration, self.trace)
+            base = self.chain if chain else self.spec
+            costs = RoundCosts.lookup(self.table, base, batch, ctx, self.calibration, self.trace,
+                                      measured_only=self.mode == "ahead")
+            if self.mode == "within":
+                return base, costs
+            depth = min(self.next_plan[0], base.depth)
+            fits = min(self.next_plan[1], pool_size(base, depth), base.num_drafted(params))
+            width = max(n for n in [*range(DENSE_WIDTHS + 1), *self.table.nodes] if n <= fits)  # an allowed width
+            costs.plan = (depth, width)
+            self.trace.append(costs.plan)
+            return dataclasses.replace(base, depth=depth, num_nodes=max(width, 1)), costs
         if self.spec.sampled(params):
             self.sampled_depths.append(self.sampled_depth)
             costs = RoundCosts.lookup_sampled(self.table, self.spec, batch, ctx, self.calibration)
             return dataclasses.replace(self.spec, depth=self.sampled_depth), costs
         return self.spec, None
 
-    def after(self, costs: RoundCosts | None) -> None:
-        """After the round's host sync: a sampled round's choice of the next depth (one more host read)."""
-        if costs is not None and costs.sampled_next is not None:
-            self.sampled_depth = int(costs.sampled_next)
+    def after(self, costs: RoundCosts | None, plan: list[int] | None) -> None:
+        """After the round's host sync, with the plan it wrote (``StepOut.plan``, read in that sync): the next
+        greedy round's (depth, width) in ahead mode, the next sampled round's depth."""
+        if costs is None or plan is None:
+            return
+        if costs.plan is not None:
+            self.next_plan = (int(plan[0]), int(plan[1]))
+        elif costs.max_sampled_depth:
+            self.sampled_depth = int(plan[0])
+
+
+def draft_ahead_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
+                     costs: RoundCosts) -> tuple[DraftTree, torch.Tensor]:
+    """Ahead mode (module docstring): the greedy dynamic tree of ``spec`` (its depth planned), every depth
+    drafted, its ``costs.plan`` width verified -> (tree, the next round's plan [2] int64: depth, width), the
+    criterion evaluated at every depth on the GPU (no host read)."""
+    scale = costs.calibration.scale()
+    go, widths = [], []
+    pool: TreePool | None = None
+    for depth, pool in enumerate(grow_dynamic_tree(runner, cache, inp, spec, SamplingParams(), frontier_at_last=True)):
+        decision = decide_after_depth(torch.cat(pool.sc, 1), pool.front_sc, pool.front_edge(), depth,
+                                      costs.depth_ms, costs.verify_ms, inp.row_valid, scale)
+        go.append(decision.go)
+        widths.append(decision.width)
+    next_depth = next_sampled_depth(torch.stack(go), costs.depth_ms.shape[0])  # where it stopped, or one more
+    at = (next_depth - 1).clamp(max=len(widths) - 1).reshape(1)  # where it stopped (a gather: no host read)
+    next_width = torch.stack(widths).gather(0, at)[0]  # the width chosen there
+    m = costs.plan[1]
+    _expect(costs, torch.cat(pool.sc, 1), m, inp.row_valid)
+    return pool.tree(inp.root, m), torch.stack([next_depth, next_width])
+
+
+def _expect(costs: RoundCosts, scores: torch.Tensor, m: int, row_valid: torch.Tensor) -> None:
+    """The drafted tokens the ``m`` verified nodes' confidence expects (the calibration's evidence)."""
+    drafted = expected_tokens(scores, m, row_valid)[-1] - row_valid.sum() * PROB_ONE
+    costs.calibration.pending = drafted.double() / PROB_ONE
 
 
 def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
@@ -206,8 +280,7 @@ def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: Draft
             break
     m = int(width)  # the round's one more host read: the verified shape
     costs.trace.append((depth + 1, m))
-    drafted = expected_tokens(scores, m, inp.row_valid)[-1] - inp.row_valid.sum() * PROB_ONE  # for the calibration
-    costs.calibration.pending = drafted.double() / PROB_ONE
+    _expect(costs, scores, m, inp.row_valid)
     return pool.tree(inp.root, m)
 
 
@@ -238,8 +311,10 @@ def sampled_go_flags(tree: DraftTree, depth: int, costs: RoundCosts, row_valid: 
 
 
 def next_depth_after_sampled(tree: DraftTree, depth: int, costs: RoundCosts, row_valid: torch.Tensor) -> torch.Tensor:
-    """The next sampled round's depth (0-d int64) from this round's tree (module docstring)."""
-    return next_sampled_depth(sampled_go_flags(tree, depth, costs, row_valid), costs.max_sampled_depth)
+    """The next sampled round's plan [2] int64 (its depth, 0) from this round's tree (module docstring)."""
+    next_depth = next_sampled_depth(sampled_go_flags(tree, depth, costs, row_valid), costs.max_sampled_depth)
+    return torch.stack([next_depth, torch.zeros_like(next_depth)])
 
 
-__all__ = ["Calibration", "Controller", "RoundCosts", "next_depth_after_sampled", "sampled_go_flags", "check_table_for", "draft_controlled_tree"]
+__all__ = ["MODES", "Calibration", "Controller", "RoundCosts", "check_table_for", "draft_ahead_tree",
+           "draft_controlled_tree", "next_depth_after_sampled", "pool_size", "sampled_go_flags"]

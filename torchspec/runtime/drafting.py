@@ -215,16 +215,18 @@ class TreePool:
 
 
 def grow_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
-                      params: SamplingParams | RowSampling) -> Iterator[TreePool]:
+                      params: SamplingParams | RowSampling, frontier_at_last: bool = False) -> Iterator[TreePool]:
     """The greedy / deterministic-candidate tree (a chain when spec.shape == 'chain'), yielded after each of its
-    ``spec.depth`` depths; a caller that stops iterating drafts no further depth (the draft controller)."""
+    ``spec.depth`` depths; a caller that stops iterating drafts no further depth (the draft controller).
+    ``frontier_at_last``: the last depth's pool keeps a frontier too (``front_sc`` / ``front_edge``: what one
+    more depth would expand), for a controller that weighs a depth this round does not draft."""
     k = 1 if spec.shape == "chain" else spec.topk
     depth = spec.depth
     b = inp.root.shape[0]
     dev = inp.root.device
     writer = _DraftWriter(runner, cache, inp, max(1, (depth - 1) * k), depth)
     sc, tok = _top(runner, inp.normed, k, params)  # [B, k], sorted
-    pool = TreePool(tok=[tok], sc=[sc], parent=[], front_sc=sc if depth > 1 else None, _edges=sc)
+    pool = TreePool(tok=[tok], sc=[sc], parent=[], front_sc=sc if depth > 1 or frontier_at_last else None, _edges=sc)
     front_idx, front_tok = torch.arange(k, device=dev).expand(b, k), tok
     front_hidden = inp.feedback[:, None].expand(b, k, -1)
     parent_rows = None
@@ -234,9 +236,9 @@ def grow_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInpu
         normed, feedback = writer.run(front_tok, front_hidden, parent_rows, d)
         csc, ctok = _top(runner, normed, k, params)  # [B, k, k]
         last = d == depth - 1
-        out = expand_frontier(pool.front_sc, csc, ctok, front_idx, feedback, base, last)
+        out = expand_frontier(pool.front_sc, csc, ctok, front_idx, feedback, base, last and not frontier_at_last)
         pool.sc.append(out[0]), pool.tok.append(out[1]), pool.parent.append(out[2])
-        if last:
+        if last and not frontier_at_last:
             pool.front_sc = None
         else:
             parent_rows, front_idx, front_tok, pool.front_sc, front_hidden = out[3:]

@@ -109,14 +109,15 @@ class SpeculativeEngine:
 
     def configure(self, *, spec: SpecConfig | None = None, seed: int = 0, concurrency: int | None = None,
                   prefill_wait: int | None = None, controller: CostTable | None = None,
-                  chain_from_batch: int | None = None) -> None:
+                  chain_from_batch: int | None = None, controller_mode: str = "ahead") -> None:
         """What the following steps do: ``spec`` (None = plain decoding), the RNG seed of sampled
         draws, at most ``concurrency`` (default ``max_batch``) requests running at once, and
         ``prefill_wait`` (None = unchanged; see ``__init__``). ``controller``: a measured cost table
         (``torchspec-profile``): greedy rounds then draft and verify what the draft controller chooses
         within ``spec``'s shape, a chain from ``chain_from_batch`` rows on (``controlled_drafting.Controller``;
-        host-chained, so without CUDA graphs for now; ``self.controller.trace`` holds each greedy round's
-        (depths drafted, verified width)). Only between requests: refused while any is in flight."""
+        ``controller_mode`` "ahead": each round's shape planned by the previous one on the GPU, graphed;
+        "within": decided after every depth on the host, without graphs; ``self.controller.trace`` holds each
+        greedy round's (depths drafted, verified width)). Only between requests: refused while any is in flight."""
         if self.scheduler.has_work:
             raise ValueError("configure: requests are in flight; finish or cancel them first.")
         concurrency = concurrency or self.max_batch
@@ -140,14 +141,14 @@ class SpeculativeEngine:
                 raise ValueError(f"controller: the cost table measured batches up to {controller.batches[-1]} but "
                                  f"{concurrency} rows may run at once; re-run torchspec-profile with --batches up to "
                                  f"{concurrency} or lower the concurrency.")
-            if self.graphs is not None:
-                raise ValueError("controller: the draft controller runs host-chained, without CUDA graphs, until its "
-                                 "per-depth graphs land; build the SpeculativeEngine with cuda_graphs=False.")
+            if self.graphs is not None and controller_mode == "within":
+                raise ValueError("controller_mode='within' decides on the host after every depth, without CUDA graphs; "
+                                 "build the SpeculativeEngine with cuda_graphs=False or use controller_mode='ahead'.")
         ctl = None
         if controller is not None:  # the drafter's calibration lives as long as its cost table (plain runs between)
             if self._calibrated is None or self._calibrated[0] is not controller:
                 self._calibrated = (controller, Calibration(self.device))
-            ctl = Controller(controller, spec, self._calibrated[1], chain_from_batch)
+            ctl = Controller(controller, spec, self._calibrated[1], chain_from_batch, controller_mode)
         self.spec, self.controller = spec, ctl
         self._per_round_of = {greedy: self._kv_per_round(spec, greedy) for greedy in (True, False)}
         self.scheduler.concurrency = concurrency
@@ -206,7 +207,7 @@ class SpeculativeEngine:
                  sampling: SamplingParams | None = None, spec: SpecConfig | None = None, seed: int = 0,
                  stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
                  concurrency: int | None = None, controller: CostTable | None = None,
-                 chain_from_batch: int | None = None) -> list[GenerationResult]:
+                 chain_from_batch: int | None = None, controller_mode: str = "ahead") -> list[GenerationResult]:
         """Generate for every prompt (token id lists, or strings if the engine has a tokenizer), all
         with the same settings: ``configure``, ``submit`` each, ``step`` until done.
 
@@ -219,7 +220,7 @@ class SpeculativeEngine:
         prompts = self._encode(prompts)
         self.check_request(prompts, max_new_tokens, sampling, spec)
         self.configure(spec=spec, seed=seed, concurrency=concurrency, controller=controller,
-                       chain_from_batch=chain_from_batch)
+                       chain_from_batch=chain_from_batch, controller_mode=controller_mode)
         ids = [self.submit(p, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids or (),
                            ignore_eos=ignore_eos) for p in prompts]
         results: dict[int, GenerationResult] = {}
@@ -349,19 +350,22 @@ class SpeculativeEngine:
             if self.controller is not None:  # the round's shape and measured costs at its batch and context
                 spec, costs = self.controller.plan(params, len(active), max(slots[i].ctx for i in rows))
 
-            def step(inp, slots, params):
+            def step(inp, slots, params, costs):  # costs: graph inputs (the table's row for this batch and context)
                 return speculate(self.decoder, self.runner, self.caches, inp, spec, params, generator, slots=slots,
                                  costs=costs)
             args = {"inp": DraftInputs(root=self.root[index], normed=self.normed[index],
                                        feedback=self.feedback[index], ctx_len=ctx, block_table=bt, row_valid=valid),
-                    "slots": index, "params": params}
+                    "slots": index, "params": params, "costs": costs}
         kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
-        key = ("plain" if spec is None else "spec", len(active), spec, kind, cols)
+        key = ("plain" if spec is None else "spec", len(active), spec, kind, cols, costs and costs.plan)
         out = step(**args) if self.graphs is None else self._run_graph(key, step, args)
         self._store(index, out)
-        committed = torch.cat([out.count[:, None], out.tokens], 1).tolist()  # the round's one host sync
+        synced = torch.cat([out.count[:, None], out.tokens], 1)
+        if out.plan is not None:  # the controller's plan rides on the same transfer (a padded last row)
+            synced = torch.cat([synced, torch.nn.functional.pad(out.plan, (0, synced.shape[1] - 2))[None]])
+        committed = synced.tolist()  # the round's one host sync
         if self.controller is not None:
-            self.controller.after(costs)
+            self.controller.after(costs, committed.pop() if out.plan is not None else None)
         dt = time.perf_counter() - t0
         for i, j in zip(rows, position):
             count, *tokens = committed[j]

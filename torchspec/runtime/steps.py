@@ -32,7 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from torchspec.attend import in_window
-from torchspec.runtime.controlled_drafting import RoundCosts, draft_controlled_tree, next_depth_after_sampled
+from torchspec.runtime.controlled_drafting import (
+    RoundCosts,
+    draft_ahead_tree,
+    draft_controlled_tree,
+    next_depth_after_sampled,
+)
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, draft_round
 from torchspec.runtime.paged_kv import (
@@ -73,6 +78,7 @@ class StepOut:
     root: torch.Tensor  # [B] new last committed token
     normed: torch.Tensor | None = None  # [B, H] drafter state at the new last position
     feedback: torch.Tensor | None = None
+    plan: torch.Tensor | None = None  # [2] int64: the draft controller's next round (depth, width), synced with these
 
 
 def next_token(decoder: TargetDecoder, hidden: torch.Tensor, params: SamplingParams | RowSampling,
@@ -191,13 +197,17 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
               spec: SpecConfig, params: SamplingParams | RowSampling, generator: torch.Generator,
               slots: torch.Tensor | None = None, costs: RoundCosts | None = None) -> StepOut:
     """One draft-verify-accept-compact-catch-up round over the active rows (see module docstring);
-    with ``costs`` a greedy round's depth and width are the draft controller's (``controlled_drafting``)."""
-    if costs is not None and params.greedy:
+    with ``costs`` a greedy round's depth and width are the draft controller's (``controlled_drafting``), and
+    the output carries its plan for the next round (ahead mode; sampled rounds: the next one's depth)."""
+    plan = None
+    if costs is not None and params.greedy and costs.plan is not None:
+        tree, plan = draft_ahead_tree(runner, caches.drafter, inp, spec, costs)
+    elif costs is not None and params.greedy:
         tree = draft_controlled_tree(runner, caches.drafter, inp, spec, costs)
     else:
         tree = draft_round(runner, caches.drafter, inp, spec, params, generator)
         if costs is not None and spec.sampled(params):  # the next sampled round's depth, fixed before its draws
-            costs.sampled_next = next_depth_after_sampled(tree, spec.depth, costs, inp.row_valid)
+            plan = next_depth_after_sampled(tree, spec.depth, costs, inp.row_valid)
     b = tree.tokens.shape[0]
     depth = min(spec.depth, tree.num_nodes - 1)  # static: a tree of fewer nodes (a controlled width) is shallower
     ctx, bt = inp.ctx_len, inp.block_table
@@ -219,7 +229,7 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
     width = path.shape[1]  # D + 1
     aux = [torch.gather(h, 1, path[:, :, None].expand(b, width, h.shape[-1])) for h in out.aux]
     normed, feedback = catch_up_drafter(runner, caches, bt, ctx, emitted, aux, a, inp.row_valid)
-    return StepOut(tokens=emitted, count=a + 1, root=res.next_token, normed=normed, feedback=feedback)
+    return StepOut(tokens=emitted, count=a + 1, root=res.next_token, normed=normed, feedback=feedback, plan=plan)
 
 
 @fused
