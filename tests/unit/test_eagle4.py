@@ -102,3 +102,21 @@ def test_interface_full_vocabulary_hooks_do_nothing():
     assert model.fit_vocab([]) is None and model.vocab_mapping() is None and model.draft_vocab_ids() is None
     ids = torch.arange(37)
     assert torch.equal(model.draft_to_target_ids(ids), ids) and model.window == 5
+
+
+@pytest.mark.parametrize("arch", ["eagle3", "eagle4"])
+def test_reinitialising_rope_keeps_its_buffer_on_the_models_device(arch, tiny_target_dir):
+    """``_init_weights`` recomputes the rotary frequencies where the buffer lives (a served drafter re-initialised on
+    the GPU once rebuilt them on the CPU: tools/bench_controller.py's ``untrained`` drafter); 'meta' stands for it."""
+    from torchspec.models.layers import RotaryEmbedding
+
+    target = TargetDecoder.from_pretrained(tiny_target_dir, aux_layer_ids=[1, 3, 5])
+    model = build_drafter(DrafterConfig(arch=arch), target.config, target.aux_layer_ids)
+    rope = next(m for m in model.modules() if isinstance(m, RotaryEmbedding))
+    want = rope.inv_freq.clone()
+    rope.inv_freq = rope.inv_freq.to("meta")
+    model._init_weights(rope)
+    assert rope.inv_freq.device.type == "meta"
+    rope.inv_freq = torch.empty(0)
+    model._init_weights(rope)
+    assert torch.equal(rope.inv_freq, want)

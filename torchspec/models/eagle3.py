@@ -159,7 +159,7 @@ class Eagle3Drafter(Drafter):
         elif isinstance(module, RotaryEmbedding):
             # Buffers are not persistent: recompute after meta/empty initialisation.
             d = self.config.head_dim
-            module.inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2).float() / d))
+            module.inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, device=module.inv_freq.device).float() / d))
 
     # --- loading: the mapping comes with the weights and is locked ---------------------------------
 
