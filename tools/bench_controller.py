@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trees", default="3x4x8,4x4x16,5x8x32", help="fixed greedy trees of the sweep: DxKxN")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="prompts a timed run decodes (at least the concurrency): c = 1 is not one prompt's luck")
     p.add_argument("--repeats", type=int, default=3, help="paired re-timings of the best fixed shape and the controller")
     p.add_argument("--costs", help="a torchspec-profile table of this setup (default: measure it here)")
     p.add_argument("--costs-out", help="where a table measured here is written (default: beside --out)")
@@ -91,7 +93,7 @@ def parse_tree(text: str) -> SpecConfig:
 def check_args(args) -> dict:
     """Every option before a model loads."""
     for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
-                    ("--prompt-len", args.prompt_len)):
+                    ("--prompt-len", args.prompt_len), ("--num-prompts", args.num_prompts)):
         check_at_least(flag, v, 1)
     chains = [SpecConfig(shape="chain", depth=d) for d in csv_values("--chains", args.chains, int)]
     for c in chains:
@@ -185,15 +187,15 @@ def bench(args) -> dict:
     mode = args.controller_mode
     rows, out = [], {"controller_mode": mode, "args": vars(args), "rows": []}
     for name, engine in engines(args, checked, max(levels), args.prompt_len + args.max_new_tokens + 160):
-        prompts = bench_prompts(args, engine, max(levels), g)
+        prompts = bench_prompts(args, engine, max(*levels, args.num_prompts), g)
         table = cost_table(args, engine, controlled)
         out["device"] = table.key.device
         out["costs_timing"] = table.meta.get("timing")
         out["cuda_graphs"] = engine.graphs is not None
         target = args.target or args.shape
         for c in levels:
-            run = partial(measure, engine, prompts[:c], params=SamplingParams(), max_new=args.max_new_tokens,
-                          seed=args.seed, concurrency=c)
+            run = partial(measure, engine, prompts[:max(c, args.num_prompts)], params=SamplingParams(),
+                          max_new=args.max_new_tokens, seed=args.seed, concurrency=c)
             for spec in [None, *shapes]:  # compiles, captures the graphs
                 engine.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c)
             for spec in (controlled, SpecConfig(shape="chain", depth=controlled.depth)):  # the shapes it plans

@@ -13,7 +13,7 @@ from tests.cost_tables import linear_table
 from tests.tool_loader import load_tool
 
 ARGS = ["--shape", "tiny", "--concurrency", "1,2", "--chains", "1,3", "--trees", "2x2x3,3x2x4",
-        "--max-new-tokens", "12", "--prompt-len", "8", "--repeats", "1", "--device", "cpu"]
+        "--max-new-tokens", "12", "--prompt-len", "8", "--num-prompts", "2", "--repeats", "1", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
