@@ -9,7 +9,8 @@ from torchspec.runtime.cost_table import CostTable, cost_key
 
 def linear_table(engine, depth: float, verify_per_node: float, *, widths: list[int], nodes: list[int],
                  noise: float = 0.0, seed: int = 0) -> CostTable:
-    """A depth costs ``depth`` ms, a plain step 1 ms and each verified node ``verify_per_node`` ms more, at every
+    """A depth costs ``depth`` ms (a round's depth 0 too: its whole width-0 round is a plain step and a depth), a
+    plain step 1 ms and each verified node ``verify_per_node`` ms more, at every
     batch (1, 4, 512) and context (16, 256); ``noise``: random multiplicative jitter (verify kept non-decreasing),
     so decisions vary from cell to cell."""
     g = torch.Generator().manual_seed(seed)
@@ -20,5 +21,6 @@ def linear_table(engine, depth: float, verify_per_node: float, *, widths: list[i
 
     d = depth * jitter(len(contexts), len(batches), len(widths))
     v = (1 + verify_per_node * torch.tensor(nodes, dtype=torch.float64)) * jitter(len(contexts), len(batches), len(nodes))
+    v = v.cummax(-1).values
     return CostTable(key=cost_key(engine.decoder, engine.runner), widths=widths, nodes=nodes, batches=batches,
-                     contexts=contexts, depth=d, verify=v.cummax(-1).values, meta={})
+                     contexts=contexts, depth=d, verify=v, round=v[..., 0] + d[..., 0], meta={})

@@ -92,7 +92,7 @@ def test_without_a_table_the_costs_are_measured_and_written(tool, tmp_path):
     tool.main(["--shape", "tiny", "--noise", "0.0", "--concurrency", "1", "--chains", "1", "--trees", "2x2x3",
                "--max-new-tokens", "6", "--prompt-len", "6", "--repeats", "1", "--device", "cpu", "--out", str(out)])
     table = json.loads(out.with_suffix(".costs.json").read_text())
-    assert table["version"] == 1 and table["nodes"][0] == 0 and table["batches"] == [1]
+    assert table["version"] == 2 and len(table["round_ms"]) == 1 and table["nodes"][0] == 0 and table["batches"] == [1]
 
 
 def test_chain_from_batch_is_where_the_chain_keeps_winning(tool):

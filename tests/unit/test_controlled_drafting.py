@@ -117,7 +117,7 @@ def test_bad_controller_configurations_are_refused(engine):
     with pytest.raises(ValueError, match="widths .* lack the drafter width 4"):
         engine.configure(spec=SpecConfig(shape="tree", depth=3, topk=4, num_nodes=8), controller=costs)
     small = CostTable(key=costs.key, widths=costs.widths, nodes=costs.nodes, batches=[1, 2], contexts=costs.contexts,
-                      depth=costs.depth[:, :2], verify=costs.verify[:, :2], meta={})
+                      depth=costs.depth[:, :2], verify=costs.verify[:, :2], round=costs.round[:, :2], meta={})
     with pytest.raises(ValueError, match="batches up to 2 but 3 rows may run"):  # a round beyond it: refused now
         engine.configure(spec=SPECS[0], controller=small)
     engine.configure(spec=SPECS[0], controller=small, concurrency=2)
@@ -199,3 +199,22 @@ def test_ahead_rounds_draft_what_the_round_before_planned(confident, plain, tiny
         assert width == planned[1] or width == max(n for n in NODES if n <= planned[1])
     assert all(b[0] <= a[0] + 1 for a, b in zip(trace, trace[1:]))
     assert max(d for d, _ in trace) >= 3 and max(w for _, w in trace) >= 4, trace
+
+
+def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):
+    """A table lookup is ~0.4 ms of host time, more than a third of a SmolLM2 step on an H200: the controller keeps
+    each (shape, batch, 64 tokens of context) lookup's device tensors and every round reuses them."""
+    from torchspec.runtime.controlled_drafting import CTX_STEP, Controller, RoundCosts
+    from torchspec.runtime.sampling import SamplingParams
+
+    costs = table(engine, depth=0.05, verify_per_node=0.02, noise=0.5)
+    ctl = Controller(costs, SPECS[0], Calibration(torch.device("cpu")))
+    greedy = SamplingParams()
+    _, a = ctl.plan(greedy, 2, 3 * CTX_STEP + 1)
+    _, b = ctl.plan(greedy, 2, 4 * CTX_STEP - 1)
+    _, c = ctl.plan(greedy, 2, 4 * CTX_STEP)
+    assert a is not b and a.depth_ms is b.depth_ms and a.verify_ms is b.verify_ms  # one lookup, fresh RoundCosts
+    assert c.depth_ms is not a.depth_ms
+    want = RoundCosts.lookup(costs, SPECS[0], 2, 3 * CTX_STEP, ctl.calibration, measured_only=True)
+    assert torch.equal(a.depth_ms, want.depth_ms) and torch.equal(a.verify_ms, want.verify_ms)
+    assert ctl.trace == [(1, 0)] * 3 and a.trace is ctl.trace

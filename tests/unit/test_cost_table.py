@@ -50,7 +50,7 @@ def test_cli_writes_a_complete_table(profiled):
     out, png = profiled
     data = json.loads(out.read_text())  # replaced: the older content is gone
     assert data["version"] == TABLE_VERSION
-    assert set(data) == {"version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "meta"}
+    assert set(data) == {"version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "round_ms", "meta"}
     assert set(data["key"]) == {"device", "tp", "target", "drafter", "dtype"}
     assert data["key"]["device"] == "cpu" and data["key"]["tp"] == 1 and data["key"]["dtype"] == "float32"
     assert (data["batches"], data["widths"], data["nodes"], data["contexts"]) == ([1, 2], [1, 2], [0, 1, 3], [8, 24])
@@ -59,6 +59,7 @@ def test_cli_writes_a_complete_table(profiled):
     assert (table.depth > 0).all() and (table.verify > 0).all()
     assert table.meta["repeats"] == 2 and "wall-clock" in table.meta["timing"]
     assert table.depth_ms(2, 16).shape == (2,) and table.verify_ms(1, 8).shape == (4,)
+    assert table.round.shape == (2, 2) and table.round_ms(2, 16).dim() == 0 and float(table.round_ms(2, 16)) > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.parent.iterdir()) == ["costs.json", "costs.png"]  # no temporary left
 
@@ -80,13 +81,15 @@ def test_table_key_is_the_loaded_engines_and_a_mismatch_is_refused(profiled, pai
 
 
 def hand_table() -> CostTable:
-    """depth = ctx/100 + batch + width/10; verify = ctx/100 + batch + node (exactly linear in each)."""
+    """depth = ctx/100 + batch + width/10; verify = ctx/100 + batch + node; round = ctx/100 + batch + 0.5 (exactly
+    linear in each)."""
     contexts, batches, widths, nodes = [100, 300], [1, 4, 8], [1, 2], [0, 2, 6]
     depth = [[[c / 100 + b + w / 10 for w in widths] for b in batches] for c in contexts]
     verify = [[[c / 100 + b + n for n in nodes] for b in batches] for c in contexts]
     key = CostKey(device="cpu", tp=1, target="t", drafter="d", dtype="float32")
+    whole = [[c / 100 + b + 0.5 for b in batches] for c in contexts]
     return CostTable(key=key, widths=widths, nodes=nodes, batches=batches, contexts=contexts, depth=depth,
-                     verify=verify, meta={"timing": "by hand"})
+                     verify=verify, round=whole, meta={"timing": "by hand"})
 
 
 def test_lookups_round_batches_up_interpolate_and_clamp_contexts():
@@ -114,7 +117,12 @@ def test_table_round_trips_and_bad_tables_are_refused(tmp_path):
     assert (again.widths, again.nodes, again.batches, again.contexts) == (table.widths, table.nodes, table.batches,
                                                                           table.contexts)
     good = table.to_dict()
-    cases = {"version": ({**good, "version": 2}, "version 2"),
+    torch.testing.assert_close(again.round, table.round, rtol=1e-3, atol=0)
+    torch.testing.assert_close(table.round_ms(5, 250), torch.tensor(2.5 + 8 + 0.5), rtol=0, atol=1e-5)
+    old = {k: v for k, v in good.items() if k != "round_ms"}
+    cases = {"version": ({**good, "version": 3}, "version 3"),
+             "version 1": ({**old, "version": 1}, "version 1, this torchspec reads version 2; re-run"),
+             "round shape": ({**good, "round_ms": good["round_ms"][:1]}, "round_ms has shape"),
              "unknown key": ({**good, "extra": 1}, "unknown \\['extra'\\]"),
              "missing field": ({**good, "key": {k: v for k, v in good["key"].items() if k != "tp"}}, "missing \\['tp'\\]"),
              "shape": ({**good, "verify_ms": [r[:1] for r in good["verify_ms"]]}, "verify_ms has shape"),
@@ -130,7 +138,7 @@ def test_table_round_trips_and_bad_tables_are_refused(tmp_path):
     ({"--batches": "1,x"}, "--batches"), ({"--widths": "0,2"}, "--widths"), ({"--nodes": "1,2"}, "--nodes"),
     ({"--contexts": "8,8"}, "--contexts"), ({"--repeats": "0"}, "--repeats"), ({"--tp": "2"}, "--tp"),
     ({"--target": "/no/such/target"}, "--target"), ({"--drafter": "/no/such/export"}, "--drafter"),
-    ({"--dtype": "float16"}, "--dtype"), ({"--out": "DIR"}, "--out")])
+    ({"--dtype": "float16"}, "--dtype"), ({"--out": "DIR"}, "--out"), ({"--timing": "host"}, "--timing")])
 def test_bad_cli_input_exits_2_and_writes_nothing(pair, tmp_path, capsys, change, flag):
     out = tmp_path / "costs.json"
     out.write_text("an older table")

@@ -70,6 +70,7 @@ from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.tree import DraftTree
 
 MODES = ("ahead", "within")
+CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP tokens of context) and kept
 DENSE_WIDTHS = 8  # ahead mode verifies any width up to this; beyond it, only the node counts the table measured
 UNMEASURED_MS = 1e9  # the verify cost of a width beyond DENSE_WIDTHS the table did not measure (never chosen)
 
@@ -105,10 +106,11 @@ class Calibration:
 
 @dataclass
 class RoundCosts:
-    """One round's measured costs (ms) on the round's device: ``depth_ms`` [D] (depth 0: the root's
-    candidates plus the catch-up forward any speculating round pays, timed as a width-1 depth; depth
-    d >= 1: a drafter depth over the k-node frontier) and ``verify_ms`` [N + 1] (index: drafted nodes
-    verified; 0 is a plain step). ``trace`` collects (depths drafted, width) per round; ``calibration``
+    """One round's measured costs (ms) on the round's device: ``depth_ms`` [D] (depth 0: what any
+    speculating round pays beyond its verify forward -- the root's candidates, the decision, acceptance
+    and the drafter's catch-up -- the table's whole width-0 round less its plain step; depth d >= 1: a
+    drafter depth over the k-node frontier) and ``verify_ms`` [N + 1] (index: drafted nodes verified; 0
+    is a plain step). ``trace`` collects (depths drafted, width) per round; ``calibration``
     scales the drafter's confidence (module docstring). A round's ``plan`` (ahead mode: the (depth, width)
     it drafts) is part of its graph's key; the tensors are its graph's inputs."""
 
@@ -128,11 +130,10 @@ class RoundCosts:
         width (a chain grows one node a depth) and otherwise the measured node counts: ahead mode's graphs
         are one per planned (depth, width), a few dozen at most)."""
         k = 1 if spec.shape == "chain" else spec.topk
-        depth_row = table.depth_ms(batch, ctx)  # [len(table.widths)]
-        one, wide = depth_row[table.widths.index(1)], depth_row[table.widths.index(k)]
+        wide = table.depth_ms(batch, ctx)[table.widths.index(k)]  # [len(table.widths)] -> k's
         device = calibration.accepted.device
-        depth_ms = torch.cat([one[None], wide.expand(spec.depth - 1)]).to(device)
         verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1]
+        depth_ms = torch.cat([_round_extra(table, batch, ctx, verify_ms)[None], wide.expand(spec.depth - 1)]).to(device)
         if measured_only:
             measured = torch.arange(verify_ms.shape[0]) <= DENSE_WIDTHS
             measured[[n for n in table.nodes if n < verify_ms.shape[0]]] = True
@@ -148,14 +149,19 @@ class RoundCosts:
         sampled = SamplingParams(temperature=1.0)
         widths = spec.widths(sampled)
         depth_row, device = table.depth_ms(batch, ctx), calibration.accepted.device
-        levels, front = [], 1
-        for d in range(spec.depth):
+        most = min(spec.num_drafted(sampled), table.nodes[-1])
+        verify_ms = table.verify_ms(batch, ctx)[: most + 1]
+        levels, front = [_round_extra(table, batch, ctx, verify_ms)], widths[0]
+        for d in range(1, spec.depth):
             fits = [i for i, w in enumerate(table.widths) if w >= front]
             levels.append(depth_row[fits[0] if fits else -1])
             front *= widths[d]
-        most = min(spec.num_drafted(sampled), table.nodes[-1])
-        verify_ms = table.verify_ms(batch, ctx)[: most + 1]
         return cls(torch.stack(levels).to(device), verify_ms.to(device), calibration, max_sampled_depth=spec.depth)
+
+
+def _round_extra(table: CostTable, batch: int, ctx: int, verify_ms: torch.Tensor) -> torch.Tensor:
+    """Depth 0's cost: the table's whole width-0 round less its plain step (at least a microsecond)."""
+    return (table.round_ms(batch, ctx) - verify_ms[0]).clamp(min=1e-3)
 
 
 def check_table_for(table: CostTable, spec: SpecConfig) -> None:
@@ -200,6 +206,19 @@ class Controller:
         self.sampled_depths: list[int] = []
         self.sampled_depth = min(INITIAL_SAMPLED_DEPTH, spec.depth)
         self.next_plan = (1, 0)  # ahead mode: a first greedy round drafts depth 0 and verifies nothing
+        self._costs: dict[tuple, RoundCosts] = {}  # looked up on the device once (a lookup is ~0.4 ms of host time)
+
+    def _lookup(self, spec: SpecConfig, batch: int, ctx: int, sampled: bool) -> RoundCosts:
+        """``RoundCosts.lookup`` (``lookup_sampled``) at ``ctx`` rounded down to ``CTX_STEP``, kept per key: each
+        round gets a fresh ``RoundCosts`` over the kept device tensors."""
+        key = (spec.shape, sampled, batch, ctx // CTX_STEP)
+        kept = self._costs.get(key)
+        if kept is None:
+            at = ctx // CTX_STEP * CTX_STEP
+            kept = self._costs[key] = (
+                RoundCosts.lookup_sampled(self.table, spec, batch, at, self.calibration) if sampled else
+                RoundCosts.lookup(self.table, spec, batch, at, self.calibration, measured_only=self.mode == "ahead"))
+        return dataclasses.replace(kept, trace=self.trace)
 
     def plan(self, params, batch: int, ctx: int) -> tuple[SpecConfig, RoundCosts | None]:
         """The round's shape and costs: a greedy round chooses within ``spec`` (a chain from
@@ -209,8 +228,7 @@ class Controller:
         if params.greedy:
             chain = self.chain_from_batch is not None and batch >= self.chain_from_batch
             base = self.chain if chain else self.spec
-            costs = RoundCosts.lookup(self.table, base, batch, ctx, self.calibration, self.trace,
-                                      measured_only=self.mode == "ahead")
+            costs = self._lookup(base, batch, ctx, sampled=False)
             if self.mode == "within":
                 return base, costs
             depth = min(self.next_plan[0], base.depth)
@@ -221,7 +239,7 @@ class Controller:
             return dataclasses.replace(base, depth=depth, num_nodes=max(width, 1)), costs
         if self.spec.sampled(params):
             self.sampled_depths.append(self.sampled_depth)
-            costs = RoundCosts.lookup_sampled(self.table, self.spec, batch, ctx, self.calibration)
+            costs = self._lookup(self.spec, batch, ctx, sampled=True)
             return dataclasses.replace(self.spec, depth=self.sampled_depth), costs
         return self.spec, None
 

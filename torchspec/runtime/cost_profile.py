@@ -9,6 +9,10 @@ For every context bucket and padded batch size b, on an idle engine whose rows a
   w best of the w * w -- the code of a dynamic tree's depth (``drafting._DraftWriter``,
   ``drafting._top``, ``tree_select.expand_frontier``). Width 1 is a chain depth with scores (the
   controller needs the drafter's confidence, which the scoreless greedy chain does not compute).
+* **a whole round of width 0**: the draft controller's ahead round planned (1 depth, 0 nodes) --
+  depth 0's top-k candidates, the decision, the root's verify forward, acceptance, compaction and
+  the drafter's catch-up (``steps.speculate``): what every speculating round pays beyond its verify
+  forward and later depths.
 * **the verify forward** over n drafted nodes a row: the target forward over root + n nodes with
   the tree's attention mask and the drafter's aux layers captured, and the argmax at every node (as
   ``steps.speculate`` runs it); n = 0 is ``steps.plain_step``. The nodes form a chain: for an
@@ -169,6 +173,21 @@ def verify_fn(engine, b: int, ctx: int, n: int) -> Callable[[], object]:
     return verify
 
 
+def round_fn(engine, b: int, ctx: int, k: int) -> Callable[[], object]:
+    """A whole ahead-mode round planned (1, 0) with top-``k`` candidates (module docstring)."""
+    from torchspec.runtime.controlled_drafting import Calibration, RoundCosts
+    from torchspec.runtime.drafting import SpecConfig
+    from torchspec.runtime.steps import speculate
+
+    rows = _Rows(engine, b, ctx, 2)
+    inp = DraftInputs(root=rows.tokens[:, 0], normed=engine.normed[:b], feedback=engine.feedback[:b],
+                      ctx_len=rows.ctx_len, block_table=rows.block_table, row_valid=rows.valid)
+    spec = SpecConfig(shape="tree", depth=1, topk=k, num_nodes=1)
+    ones = torch.ones(1, device=engine.device)
+    costs = RoundCosts(ones, ones.expand(2).contiguous(), Calibration(engine.device), plan=(1, 0))
+    return lambda: speculate(engine.decoder, engine.runner, engine.caches, inp, spec, GREEDY, None, costs=costs)
+
+
 @torch.no_grad()
 def profile_costs(engine, *, batches: list[int], contexts: list[int], widths: list[int], nodes: list[int],
                   repeats: int, timing: str = "graph", log: Callable[[str], None] | None = None) -> CostTable:
@@ -192,6 +211,7 @@ def profile_costs(engine, *, batches: list[int], contexts: list[int], widths: li
         engine.block_table[i] = torch.tensor(pages, device=engine.device)
     depth = torch.zeros(len(contexts), len(batches), len(widths), dtype=torch.float64)
     verify = torch.zeros(len(contexts), len(batches), len(nodes), dtype=torch.float64)
+    whole = torch.zeros(len(contexts), len(batches), dtype=torch.float64)
     try:
         for c, ctx in enumerate(contexts):
             for i, b in enumerate(batches):
@@ -199,9 +219,11 @@ def profile_costs(engine, *, batches: list[int], contexts: list[int], widths: li
                     depth[c, i, j] = timer(depth_fn(engine, b, ctx, w), repeats)
                 for j, n in enumerate(nodes):
                     verify[c, i, j] = timer(verify_fn(engine, b, ctx, n), repeats)
+                whole[c, i] = timer(round_fn(engine, b, ctx, max(widths)), repeats)
                 if log is not None:
                     log(f"ctx {ctx:>6}  b {b:>3}  depth ms " + " ".join(f"{t:.3f}" for t in depth[c, i].tolist())
-                        + "  verify ms " + " ".join(f"{t:.3f}" for t in verify[c, i].tolist()))
+                        + "  verify ms " + " ".join(f"{t:.3f}" for t in verify[c, i].tolist())
+                        + f"  round ms {float(whole[c, i]):.3f}")
     finally:
         engine.block_table[: len(lent)] = TRASH_PAGE
         for pages in lent:
@@ -210,7 +232,7 @@ def profile_costs(engine, *, batches: list[int], contexts: list[int], widths: li
             "page_size": engine.page_size, "torch": torch.__version__,
             "created": datetime.now(UTC).isoformat(timespec="seconds")}
     return CostTable(key=cost_key(engine.decoder, engine.runner), widths=list(widths), nodes=list(nodes),
-                     batches=list(batches), contexts=list(contexts), depth=depth, verify=verify, meta=meta)
+                     batches=list(batches), contexts=list(contexts), depth=depth, verify=verify, round=whole, meta=meta)
 
 
-__all__ = ["TIMERS", "depth_fn", "eager_ms", "graph_ms", "graph_replay", "profile_costs", "profile_rows_needed", "verify_fn", "wall_ms"]
+__all__ = ["TIMERS", "depth_fn", "eager_ms", "graph_ms", "round_fn", "graph_replay", "profile_costs", "profile_rows_needed", "verify_fn", "wall_ms"]

@@ -11,9 +11,9 @@ export is checked against), the drafter's identity (``drafter_identity``: its mo
 of its architecture flags -- a retrained drafter of the same architecture costs the same, so it
 keeps its table) and the serving dtype.
 
-**Layout** (JSON, ``"version": 1``; times in ms, each the median of ``meta.repeats`` runs)::
+**Layout** (JSON, ``"version": 2``; times in ms, each the median of ``meta.repeats`` runs)::
 
-    {"version": 1,
+    {"version": 2,
      "key": {"device": "NVIDIA H200", "tp": 1, "target": "9c1d5e0a7b3f2e11",
              "drafter": "torchspec_eagle4:5a0c81d2e4f6a7b9", "dtype": "bfloat16"},
      "widths": [1, 2, 4, 8],                     frontier nodes a row of one draft depth
@@ -22,10 +22,17 @@ keeps its table) and the serving dtype.
      "contexts": [512, 2048, 8192],              committed tokens a row
      "depth_ms":  [context][batch][width],
      "verify_ms": [context][batch][node],
+     "round_ms":  [context][batch],             a whole round that verifies nothing (below)
      "meta": {"timing": "eager", "repeats": 20, ...}}  (timing: "eager" | "graph", cost_profile.py)
 
+``round_ms`` is a whole controlled round of width 0 -- depth 0's candidates, the controller's decision,
+the verify forward of the root alone, acceptance and the drafter's catch-up -- so ``round_ms -
+verify_ms[0]`` is what any speculating round pays beyond its verify forward and its later depths (the
+controller's depth-0 cost; version 1 had no such column and charged a width-1 depth for it, a third of
+what a round really adds on an H200, so version 1 files are refused: re-profile).
+
 **Lookups** for a round at (batch, ctx): ``depth_ms`` -> [len(widths)], ``verify_ms`` ->
-[N_max + 1] indexed by node count 0..N_max. A batch is rounded UP to the next measured padded batch
+[N_max + 1] indexed by node count 0..N_max, ``round_ms`` -> a 0-d time. A batch is rounded UP to the next measured padded batch
 (a larger one is a ValueError); between context buckets and between measured node counts the times
 are interpolated linearly; a context outside the measured buckets is CLAMPED to the nearest one (a
 longer context than the last bucket reads as the last bucket: re-profile with a larger bucket for
@@ -46,8 +53,8 @@ import torch
 
 from torchspec.io import atomic_write_bytes, atomic_write_text
 
-TABLE_VERSION = 1
-TABLE_KEYS = ("version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "meta")
+TABLE_VERSION = 2
+TABLE_KEYS = ("version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "round_ms", "meta")
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,7 @@ class CostTable:
     contexts: list[int]  # ascending context buckets
     depth: torch.Tensor  # [C, B, W] ms, float64
     verify: torch.Tensor  # [C, B, N] ms, float64
+    round: torch.Tensor  # [C, B] ms, float64: a whole width-0 round (module docstring)
     meta: dict
 
     def __post_init__(self) -> None:
@@ -110,11 +118,13 @@ class CostTable:
             raise ValueError(f"cost table nodes={self.nodes} must start at 0 (the plain step).")
         self.depth = torch.as_tensor(self.depth, dtype=torch.float64)
         self.verify = torch.as_tensor(self.verify, dtype=torch.float64)
-        for name, axis, times in (("depth_ms", "widths", self.depth), ("verify_ms", "nodes", self.verify)):
-            shape = [len(self.contexts), len(self.batches), len(getattr(self, axis))]
+        self.round = torch.as_tensor(self.round, dtype=torch.float64)
+        for name, axis, times in (("depth_ms", "widths", self.depth), ("verify_ms", "nodes", self.verify),
+                                  ("round_ms", None, self.round)):
+            shape = [len(self.contexts), len(self.batches)] + ([len(getattr(self, axis))] if axis else [])
             if list(times.shape) != shape:
-                raise ValueError(f"cost table {name} has shape {list(times.shape)}; [contexts, batches, {axis}] "
-                                 f"is {shape}.")
+                raise ValueError(f"cost table {name} has shape {list(times.shape)}; [contexts, batches"
+                                 f"{', ' + axis if axis else ''}] is {shape}.")
             if not bool(torch.isfinite(times).all() and (times > 0).all()):
                 raise ValueError(f"cost table {name} holds a time that is not a positive number.")
 
@@ -130,6 +140,10 @@ class CostTable:
         a plain decode step), interpolated between the measured node counts."""
         at_ctx = _lerp(self.contexts, self.verify[:, self._batch_index(batch)], [self._context(ctx)])[0]  # [N]
         return _lerp(self.nodes, at_ctx, range(self.nodes[-1] + 1)).float()
+
+    def round_ms(self, batch: int, ctx: int) -> torch.Tensor:
+        """0-d fp32 ms of a whole width-0 round (module docstring) for ``batch`` rows of ``ctx`` tokens."""
+        return _lerp(self.contexts, self.round[:, self._batch_index(batch)], [self._context(ctx)])[0].float()
 
     def _batch_index(self, batch: int) -> int:
         """The first measured padded batch >= ``batch``."""
@@ -148,7 +162,7 @@ class CostTable:
     def to_dict(self) -> dict:
         return {"version": TABLE_VERSION, "key": asdict(self.key), "widths": self.widths, "nodes": self.nodes,
                 "batches": self.batches, "contexts": self.contexts, "depth_ms": _rounded(self.depth),
-                "verify_ms": _rounded(self.verify), "meta": self.meta}
+                "verify_ms": _rounded(self.verify), "round_ms": _rounded(self.round[None])[0], "meta": self.meta}
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "cost table") -> CostTable:
@@ -166,7 +180,7 @@ class CostTable:
         try:
             return cls(key=CostKey(**data["key"]), widths=data["widths"], nodes=data["nodes"],
                        batches=data["batches"], contexts=data["contexts"], depth=data["depth_ms"],
-                       verify=data["verify_ms"], meta=dict(data["meta"]))
+                       verify=data["verify_ms"], round=data["round_ms"], meta=dict(data["meta"]))
         except (TypeError, ValueError) as err:
             raise ValueError(f"{source}: {' '.join(str(err).split())}") from err
 
@@ -235,8 +249,10 @@ def plot_costs(table: CostTable, path: str | Path) -> None:
             style = styles[c % len(styles)]
             ax_depth.plot(table.widths, table.depth[c, b].tolist(), style, marker="o", color=colour, label=label)
             ax_verify.plot(table.nodes, table.verify[c, b].tolist(), style, marker="o", color=colour, label=label)
+            ax_verify.plot([0], [float(table.round[c, b])], marker="x", markersize=10, color=colour)  # whole round
     ax_depth.set(xlabel="frontier width (nodes a row)", title="one draft depth")
-    ax_verify.set(xlabel="verified drafted nodes a row (0 = plain step)", title="target verify forward")
+    ax_verify.set(xlabel="verified drafted nodes a row (0 = plain step)",
+                  title="target verify forward (x: a whole round verifying nothing)")
     for ax in (ax_depth, ax_verify):
         ax.set(ylabel="ms", yscale="log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
