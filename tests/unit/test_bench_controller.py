@@ -46,7 +46,7 @@ def test_rows_hold_the_issue_keys_and_the_best_fixed_shape(result):
             assert key in r, key
         assert r["best_fixed"] in r["sweep"] and set(r["sweep"]) == {"chain1", "chain3", "tree2x2x3", "tree3x2x4"}
         assert r["within"] == "tree3x2x4" and sum(n for _, _, n in r["decisions"]) > 0
-        assert all(1 <= d <= 3 and 0 <= w <= 4 for d, w, _ in r["decisions"])
+        assert all(0 <= d <= 3 and 0 <= w <= 4 and (d > 0 or w == 0) for d, w, _ in r["decisions"])  # d 0: a plain round
         assert all(w <= 3 for _, w, _ in r["chain_decisions"])  # a chain verifies at most its depth
     assert set(data["chain_from_batch"]) == {"controlled_noise0.0", "untrained"}
     assert data["cuda_graphs"] is False and not out.with_suffix(".costs.json").exists()  # --costs: none measured

@@ -204,7 +204,7 @@ def test_ahead_rounds_draft_what_the_round_before_planned(confident, plain, tiny
 def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):
     """A table lookup is ~0.4 ms of host time, more than a third of a SmolLM2 step on an H200: the controller keeps
     each (shape, batch, 64 tokens of context) lookup's device tensors and every round reuses them."""
-    from torchspec.runtime.controlled_drafting import CTX_STEP, Controller, RoundCosts
+    from torchspec.runtime.controlled_drafting import CTX_STEP, PLAIN_ROUND, Controller, RoundCosts
     from torchspec.runtime.sampling import SamplingParams
 
     costs = table(engine, depth=0.05, verify_per_node=0.02, noise=0.5)
@@ -217,4 +217,53 @@ def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):
     assert c.depth_ms is not a.depth_ms
     want = RoundCosts.lookup(costs, SPECS[0], 2, 3 * CTX_STEP, ctl.calibration, measured_only=True)
     assert torch.equal(a.depth_ms, want.depth_ms) and torch.equal(a.verify_ms, want.verify_ms)
-    assert ctl.trace == [(1, 0)] * 3 and a.trace is ctl.trace
+    assert ctl.trace == [(1, 0), PLAIN_ROUND, PLAIN_ROUND] and a.trace is ctl.trace  # no plan came back: a streak
+
+
+def test_width_0_streaks_run_plain_rounds_that_keep_the_drafter_current(engine, plain, tiny_tokenizer):
+    """Ahead mode: while the plan is width 0, rounds draft nothing (``plain_step_keeping_drafter``) except a probe
+    (depth 0, decided again) first and every PROBE_EVERY-th; the text is plain decoding's, and the drafter's state
+    after a plain round is the one a full round verifying nothing leaves (within mode's width-0 rounds)."""
+    from torchspec.runtime.controlled_drafting import PLAIN_ROUND, PROBE_EVERY
+
+    dear = table(engine, depth=0.01, verify_per_node=50.0)
+    out, trace = run(engine, tiny_tokenizer, 1, SPECS[0], dear, "ahead")
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain[1]]
+    probes = [i for i, plan in enumerate(trace) if plan != PLAIN_ROUND]
+    assert probes == list(range(0, len(trace), PROBE_EVERY)) and all(trace[i] == (1, 0) for i in probes)
+    # one round on the same rows and caches: the plain round and a full round verifying nothing commit alike
+    from torchspec.runtime.controlled_drafting import RoundCosts
+    from torchspec.runtime.cost_profile import _Rows
+    from torchspec.runtime.drafting import DraftInputs
+    from torchspec.runtime.paged_kv import TRASH_PAGE
+    from torchspec.runtime.sampling import SamplingParams
+    from torchspec.runtime.steps import plain_step_keeping_drafter, speculate
+
+    pages = [engine.allocator.alloc(engine.pages_per_row) for _ in range(2)]
+    try:
+        for i, row in enumerate(pages):
+            engine.block_table[i] = torch.tensor(row)
+        torch.manual_seed(3)
+        rows = _Rows(engine, 2, 20, 2)
+        engine.normed[:2].normal_(), engine.feedback[:2].normal_()
+        caches = [engine.caches.target.k, engine.caches.target.v, engine.caches.drafter.k, engine.caches.drafter.v]
+        before = [t.clone() for t in caches]
+        plain_round = plain_step_keeping_drafter(engine.decoder, engine.runner, engine.caches, rows.block_table,
+                                                 rows.ctx_len, rows.tokens[:, 0], rows.valid, None)
+        after_plain = [t.clone() for t in caches]
+        for t, b in zip(caches, before):
+            t.copy_(b)
+        inp = DraftInputs(root=rows.tokens[:, 0], normed=engine.normed[:2], feedback=engine.feedback[:2],
+                          ctx_len=rows.ctx_len, block_table=rows.block_table, row_valid=rows.valid)
+        ones = torch.ones(1)
+        costs = RoundCosts(ones, ones.expand(2).contiguous(), Calibration(torch.device("cpu")), plan=(1, 0))
+        full = speculate(engine.decoder, engine.runner, engine.caches, inp, SpecConfig(shape="tree", depth=1, topk=3,
+                         num_nodes=1), SamplingParams(), None, costs=costs)
+        assert torch.equal(plain_round.tokens, full.tokens) and torch.equal(plain_round.count, full.count)
+        for got, want in [(plain_round.normed, full.normed), (plain_round.feedback, full.feedback),
+                          *zip(after_plain, caches)]:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        engine.block_table[:2] = TRASH_PAGE
+        for row in pages:
+            engine.allocator.free(row)

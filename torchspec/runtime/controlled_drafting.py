@@ -70,6 +70,8 @@ from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.tree import DraftTree
 
 MODES = ("ahead", "within")
+PLAIN_ROUND = (0, 0)  # ahead mode's plan for a round that drafts nothing (steps.plain_step_keeping_drafter)
+PROBE_EVERY = 8  # while the plan is width 0, the first round and every PROBE_EVERY-th after draft depth 0 and decide
 CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP tokens of context) and kept
 DENSE_WIDTHS = 8  # ahead mode verifies any width up to this; beyond it, only the node counts the table measured
 UNMEASURED_MS = 1e9  # the verify cost of a width beyond DENSE_WIDTHS the table did not measure (never chosen)
@@ -206,6 +208,7 @@ class Controller:
         self.sampled_depths: list[int] = []
         self.sampled_depth = min(INITIAL_SAMPLED_DEPTH, spec.depth)
         self.next_plan = (1, 0)  # ahead mode: a first greedy round drafts depth 0 and verifies nothing
+        self.plain_rounds = 0  # ahead mode: width-0 rounds since the last probe
         self._costs: dict[tuple, RoundCosts] = {}  # looked up on the device once (a lookup is ~0.4 ms of host time)
 
     def _lookup(self, spec: SpecConfig, batch: int, ctx: int, sampled: bool) -> RoundCosts:
@@ -234,9 +237,11 @@ class Controller:
             depth = min(self.next_plan[0], base.depth)
             fits = min(self.next_plan[1], pool_size(base, depth), base.num_drafted(params))
             width = max(n for n in [*range(DENSE_WIDTHS + 1), *self.table.nodes] if n <= fits)  # an allowed width
-            costs.plan = (depth, width)
+            self.plain_rounds = self.plain_rounds + 1 if width == 0 else 0
+            probe = self.plain_rounds % PROBE_EVERY == 1  # the first width-0 round of a streak, then every 8th
+            costs.plan = PLAIN_ROUND if width == 0 and not probe else (depth, width)
             self.trace.append(costs.plan)
-            return dataclasses.replace(base, depth=depth, num_nodes=max(width, 1)), costs
+            return dataclasses.replace(base, depth=max(costs.plan[0], 1), num_nodes=max(width, 1)), costs
         if self.spec.sampled(params):
             self.sampled_depths.append(self.sampled_depth)
             costs = self._lookup(self.spec, batch, ctx, sampled=True)
@@ -334,5 +339,5 @@ def next_depth_after_sampled(tree: DraftTree, depth: int, costs: RoundCosts, row
     return torch.stack([next_depth, torch.zeros_like(next_depth)])
 
 
-__all__ = ["MODES", "Calibration", "Controller", "RoundCosts", "check_table_for", "draft_ahead_tree",
+__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "Calibration", "Controller", "RoundCosts", "check_table_for", "draft_ahead_tree",
            "draft_controlled_tree", "next_depth_after_sampled", "pool_size", "sampled_go_flags"]

@@ -33,6 +33,7 @@ import torch
 
 from torchspec.attend import in_window
 from torchspec.runtime.controlled_drafting import (
+    PLAIN_ROUND,
     RoundCosts,
     draft_ahead_tree,
     draft_controlled_tree,
@@ -181,6 +182,24 @@ def plain_step(decoder: TargetDecoder, caches: Caches, block_table: torch.Tensor
     return StepOut(tokens=tok[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=tok)
 
 
+def plain_step_keeping_drafter(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, block_table: torch.Tensor,
+                               ctx: torch.Tensor, root: torch.Tensor, row_valid: torch.Tensor, slots: torch.Tensor | None
+                               ) -> StepOut:
+    """A greedy plain step that keeps the drafter current: the target forward over the root captures the drafter's
+    aux layers and the drafter catches up on the committed token (what a round verifying nothing commits, without
+    drafting: the draft controller's plain rounds between its probes)."""
+    b = root.shape[0]
+    dev = root.device
+    meta = build_attention_meta(block_table, ctx, torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
+                                caches.page_size, row_valid=row_valid)
+    out = decoder(root[:, None], ctx[:, None], target_attend(caches, meta, slots, row_valid),
+                  capture_layers=tuple(runner.config.aux_layer_ids))
+    tok = decoder.argmax(out.hidden)[:, 0]  # [B]
+    zero = torch.zeros(b, dtype=torch.long, device=dev)
+    normed, feedback = catch_up_drafter(runner, caches, block_table, ctx, tok[:, None], out.aux, zero, row_valid)
+    return StepOut(tokens=tok[:, None], count=zero + 1, root=tok, normed=normed, feedback=feedback)
+
+
 def verify_forward(decoder: TargetDecoder, caches: Caches, tree: DraftTree, depth: int, block_table: torch.Tensor,
                    ctx: torch.Tensor, row_valid: torch.Tensor, slots: torch.Tensor | None, aux_layer_ids: tuple[int, ...],
                    level_widths: tuple[int, ...]):
@@ -200,6 +219,9 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
     with ``costs`` a greedy round's depth and width are the draft controller's (``controlled_drafting``), and
     the output carries its plan for the next round (ahead mode; sampled rounds: the next one's depth)."""
     plan = None
+    if costs is not None and params.greedy and costs.plan == PLAIN_ROUND:
+        return plain_step_keeping_drafter(decoder, runner, caches, inp.block_table, inp.ctx_len, inp.root, inp.row_valid,
+                                          slots)
     if costs is not None and params.greedy and costs.plan is not None:
         tree, plan = draft_ahead_tree(runner, caches.drafter, inp, spec, costs)
     elif costs is not None and params.greedy:
