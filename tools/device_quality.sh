@@ -297,11 +297,14 @@ quality)
     done
   fi
   bench() {  # $1: GPU, $2: prompt set, $3: prompts; QDEPTHS: the served depths (each its own rows, merged)
+    # QRESP: a folder holding an earlier lease's quality_<set>.responses.jsonl (returned in res): the target's
+    # answers are reused, not generated again (80 MT-Bench answers and the timed pairs outran a 330 s call)
+    [ -n "${QRESP:-}" ] && [ ! -f "$W/quality_$2.responses.jsonl" ] && cp "$QRESP/quality_$2.responses.jsonl" "$W/" 2>/dev/null
     for depth in ${QDEPTHS:-5}; do
       CUDA_VISIBLE_DEVICES=$1 timeout $(( $(left) - 10 )) python3 tools/bench_quality.py "${args[@]}" --depth "$depth" \
         --num-prompts "$3" --prompt-set "$2" --merge --out "$W/quality_$2.json" >> "$RES/quality_$2.log" 2>&1
     done
-    cp "$W/quality_$2.json" "$RES/" 2>/dev/null
+    cp "$W/quality_$2.json" "$W/quality_$2.responses.jsonl" "$RES/" 2>/dev/null
   }
   sets=${QSETS:-mtbench,humaneval}
   if [ "$NGPU" -ge 2 ] && [ "$sets" = mtbench,humaneval ]; then
@@ -324,7 +327,7 @@ controller)
     join_target
     drafter=${SERVE:-}; drafter=${drafter%% *}; drafter=${drafter#*=}; [ -n "$drafter" ] || drafter=$(export_step eagle4)
     timeout $(( $(left) - ${PROFILE_S:-90} )) python3 tools/bench_controller.py --target "$W/smollm2.gguf" \
-      --cache-dir "$W/cache" --drafter "eagle4=$drafter" --drafter "untrained=$drafter" --prompt-set mtbench \
+      --cache-dir "$W/cache" --drafter "untrained=$drafter" --drafter "eagle4=$drafter" --prompt-set mtbench \
       --prompt-len 256 --max-new-tokens "${CNEW:-128}" --concurrency "${CCONC:-1,8,64}" \
       --out "$RES/controller_smollm2_h200.json" > "$RES/controller_smollm2.log" 2>&1; tail -n 8 "$RES/controller_smollm2.log"
     timeout $(( $(left) - 5 )) python3 recipes/profile_costs.py --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
