@@ -134,9 +134,6 @@ class SpeculativeEngine:
         if controller is not None:
             if spec is None:
                 raise ValueError("controller needs a spec: its shape bounds the depth, top-k and nodes the controller chooses.")
-            if self.caches.recurrent is not None:
-                raise ValueError("controller: hybrid (recurrent) targets are not yet served by the draft controller; "
-                                 "pass controller=None to draft spec's fixed shape.")
             if controller.batches[-1] < concurrency:
                 raise ValueError(f"controller: the cost table measured batches up to {controller.batches[-1]} but "
                                  f"{concurrency} rows may run at once; re-run torchspec-profile with --batches up to "
