@@ -157,6 +157,10 @@ def test_calibration_is_the_decayed_ratio_and_drifts_back_without_evidence():
     cal.pending = torch.tensor(1.0, dtype=torch.float64)
     cal.observe(torch.tensor([4, 9]), torch.tensor([True, False]))  # a padded row's count is not evidence
     assert float(cal.accepted) == pytest.approx(4.0 + 0.0, abs=1e-2)
+    evidence = (float(cal.accepted), float(cal.expected))
+    cal.pending = torch.tensor(0.0, dtype=torch.float64)
+    cal.observe(torch.tensor([4, 9]), torch.tensor([False, False]))  # an idle run (a graph warm-up): no change
+    assert (float(cal.accepted), float(cal.expected)) == evidence
 
 
 def test_from_chain_from_batch_rows_on_greedy_rounds_draft_a_chain(confident, plain, tiny_tokenizer, mode):
@@ -220,10 +224,11 @@ def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):
     assert ctl.trace == [(1, 0), PLAIN_ROUND, PLAIN_ROUND] and a.trace is ctl.trace  # no plan came back: a streak
 
 
-def test_width_0_streaks_run_plain_rounds_that_keep_the_drafter_current(engine, plain, tiny_tokenizer):
-    """Ahead mode: while the plan is width 0, rounds draft nothing (``plain_step_keeping_drafter``) except a probe
-    (depth 0, decided again) first and every PROBE_EVERY-th; the text is plain decoding's, and the drafter's state
-    after a plain round is the one a full round verifying nothing leaves (within mode's width-0 rounds)."""
+def test_width_0_streaks_run_plain_rounds_and_catch_the_drafter_up_at_the_probe(engine, plain, tiny_tokenizer):
+    """Ahead mode: while the plan is width 0, rounds draft nothing (``plain_step_deferring_drafter``) except a probe
+    (depth 0, decided again) first and every PROBE_EVERY-th; the text is plain decoding's. Three plain rounds and
+    the catch-up on their deferred entries leave the drafter's caches and state as three full rounds verifying
+    nothing do (each catching the drafter up at once), and the target's caches alike."""
     from torchspec.runtime.controlled_drafting import PLAIN_ROUND, PROBE_EVERY
 
     dear = table(engine, depth=0.01, verify_per_node=50.0)
@@ -231,15 +236,17 @@ def test_width_0_streaks_run_plain_rounds_that_keep_the_drafter_current(engine, 
     assert [r.token_ids for r in out] == [r.token_ids for r in plain[1]]
     probes = [i for i, plan in enumerate(trace) if plan != PLAIN_ROUND]
     assert probes == list(range(0, len(trace), PROBE_EVERY)) and all(trace[i] == (1, 0) for i in probes)
-    # one round on the same rows and caches: the plain round and a full round verifying nothing commit alike
+
     from torchspec.runtime.controlled_drafting import RoundCosts
     from torchspec.runtime.cost_profile import _Rows
     from torchspec.runtime.drafting import DraftInputs
     from torchspec.runtime.paged_kv import TRASH_PAGE
+    from torchspec.runtime.pending_drafter import catch_up_pending
     from torchspec.runtime.sampling import SamplingParams
-    from torchspec.runtime.steps import plain_step_keeping_drafter, speculate
+    from torchspec.runtime.steps import plain_step_deferring_drafter, speculate
 
     pages = [engine.allocator.alloc(engine.pages_per_row) for _ in range(2)]
+    slots = torch.tensor([0, 1])
     try:
         for i, row in enumerate(pages):
             engine.block_table[i] = torch.tensor(row)
@@ -247,21 +254,44 @@ def test_width_0_streaks_run_plain_rounds_that_keep_the_drafter_current(engine, 
         rows = _Rows(engine, 2, 20, 2)
         engine.normed[:2].normal_(), engine.feedback[:2].normal_()
         caches = [engine.caches.target.k, engine.caches.target.v, engine.caches.drafter.k, engine.caches.drafter.v]
-        before = [t.clone() for t in caches]
-        plain_round = plain_step_keeping_drafter(engine.decoder, engine.runner, engine.caches, rows.block_table,
-                                                 rows.ctx_len, rows.tokens[:, 0], rows.valid, None)
-        after_plain = [t.clone() for t in caches]
-        for t, b in zip(caches, before):
-            t.copy_(b)
-        inp = DraftInputs(root=rows.tokens[:, 0], normed=engine.normed[:2], feedback=engine.feedback[:2],
-                          ctx_len=rows.ctx_len, block_table=rows.block_table, row_valid=rows.valid)
+        before = [t.clone() for t in caches] + [engine.normed[:2].clone(), engine.feedback[:2].clone()]
         ones = torch.ones(1)
         costs = RoundCosts(ones, ones.expand(2).contiguous(), Calibration(torch.device("cpu")), plan=(1, 0))
-        full = speculate(engine.decoder, engine.runner, engine.caches, inp, SpecConfig(shape="tree", depth=1, topk=3,
-                         num_nodes=1), SamplingParams(), None, costs=costs)
-        assert torch.equal(plain_round.tokens, full.tokens) and torch.equal(plain_round.count, full.count)
-        for got, want in [(plain_round.normed, full.normed), (plain_round.feedback, full.feedback),
-                          *zip(after_plain, caches)]:
+        spec = SpecConfig(shape="tree", depth=1, topk=3, num_nodes=1)
+
+        def inputs(root, ctx, normed, feedback):
+            return DraftInputs(root=root, normed=normed, feedback=feedback, ctx_len=ctx, block_table=rows.block_table,
+                               row_valid=rows.valid)
+
+        root, ctx, tokens = rows.tokens[:, 0], rows.ctx_len.clone(), []
+        engine.caches.pending.reset(slots)
+        for _ in range(3):  # plain rounds: the drafter's entries wait
+            step = plain_step_deferring_drafter(engine.decoder, engine.runner, engine.caches, rows.block_table, ctx,
+                                                root, rows.valid, slots)
+            assert step.normed is None
+            tokens.append(step.tokens)
+            root, ctx = step.root, ctx + 1
+        assert engine.caches.pending.count[:2].tolist() == [3, 3]
+        caught = catch_up_pending(engine.runner, engine.caches, inputs(root, ctx, before[4], before[5]), slots)
+        assert engine.caches.pending.count[:2].tolist() == [0, 0]
+        deferred = [t.clone() for t in caches] + [caught.normed, caught.feedback]
+
+        for t, b in zip(caches, before):
+            t.copy_(b)
+        root, ctx, normed, feedback = rows.tokens[:, 0], rows.ctx_len.clone(), before[4], before[5]
+        for i in range(3):  # full rounds verifying nothing: the drafter caught up every round
+            full = speculate(engine.decoder, engine.runner, engine.caches, inputs(root, ctx, normed, feedback), spec,
+                             SamplingParams(), None, costs=costs)
+            assert torch.equal(full.tokens, tokens[i])
+            root, ctx, normed, feedback = full.root, ctx + 1, full.normed, full.feedback
+        # the catch-up's padding wrote positions >= ctx (uncommitted, rewritten before any read): not compared
+        from torchspec.runtime.paged_kv import slots_for_positions
+
+        beyond = slots_for_positions(rows.block_table, ctx[:, None] + torch.arange(8), engine.page_size).flatten()
+        for got, want in zip(deferred, [*caches, normed, feedback]):
+            if got.dim() == 4:
+                got, want = got.clone(), want.clone()
+                got[:, beyond], want[:, beyond] = 0, 0
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     finally:
         engine.block_table[:2] = TRASH_PAGE

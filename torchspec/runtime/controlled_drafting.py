@@ -24,9 +24,11 @@ last depth, ``grow_dynamic_tree(frontier_at_last=True)``): the next round drafts
 stopped (one more when it never did, as sampled rounds do) and verifies the width chosen there, restricted
 to the node counts the table measured. The plan is two ints in the round's output, read by the host with
 the committed tokens in the round's one sync: the host never waits inside a round, and every planned shape
-is a static round that CUDA graphs capture (one per (depth, width) and batch). A planned width 0 drafts
-depth 0 alone (the top-k of the drafter state the catch-up already computed) and verifies the root only: a
-plain step that keeps the drafter current and its confidence in view. ``"within"`` decides inside the
+is a static round that CUDA graphs capture (one per (depth, width) and batch). A planned width 0 starts a
+plain streak: its first round (a probe) drafts depth 0 alone (the top-k of the drafter state the catch-up
+already computed), verifies the root only and decides again; the next ``PROBE_EVERY - 1`` run plain steps
+whose drafter entries are deferred (``steps.plain_step_deferring_drafter``, ``pending_drafter.py``) until the
+next round that drafts catches up on them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the
 round, after every depth, on the host (one sync a depth): the same criterion on the round's own
 frontier, without CUDA graphs (``SpeculativeEngine(cuda_graphs=False)``). Device-chained per-depth graphs
 (a one-thread kernel launching the next depth's graph) are not built.
@@ -70,7 +72,7 @@ from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.tree import DraftTree
 
 MODES = ("ahead", "within")
-PLAIN_ROUND = (0, 0)  # ahead mode's plan for a round that drafts nothing (steps.plain_step_keeping_drafter)
+PLAIN_ROUND = (0, 0)  # ahead mode's plan for a round that drafts nothing (steps.plain_step_deferring_drafter)
 PROBE_EVERY = 8  # while the plan is width 0, the first round and every PROBE_EVERY-th after draft depth 0 and decide
 CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP tokens of context) and kept
 DENSE_WIDTHS = 8  # ahead mode verifies any width up to this; beyond it, only the node counts the table measured
@@ -99,10 +101,12 @@ class Calibration:
         return torch.round(ratio * SCALE_ONE).long()
 
     def observe(self, accepted: torch.Tensor, row_valid: torch.Tensor) -> None:
-        """After verification: ``accepted`` [B] drafted tokens accepted per row (live rows count)."""
+        """After verification: ``accepted`` [B] drafted tokens accepted per row (live rows count; a round without
+        any, a CUDA-graph warm-up on idle inputs, leaves the evidence as it was)."""
         assert self.pending is not None, "observe follows a controlled round's draft"
-        self.accepted.mul_(self.decay).add_((accepted * row_valid).sum().double())
-        self.expected.mul_(self.decay).add_(self.pending)
+        decay = torch.where(row_valid.any(), self.decay, 1.0).double()
+        self.accepted.mul_(decay).add_((accepted * row_valid).sum().double())
+        self.expected.mul_(decay).add_(self.pending)
         self.pending = None
 
 
@@ -122,6 +126,7 @@ class RoundCosts:
     trace: list[tuple[int, int]] = field(default_factory=list)
     max_sampled_depth: int = 0  # sampled rounds: the deepest they may grow (spec's depth)
     plan: tuple[int, int] | None = None  # ahead mode: this greedy round's (depths drafted, width verified)
+    flush: bool = False  # the first round drafting after plain rounds: it catches the drafter up on them first
 
     @classmethod
     def lookup(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, calibration: Calibration,
@@ -209,6 +214,7 @@ class Controller:
         self.sampled_depth = min(INITIAL_SAMPLED_DEPTH, spec.depth)
         self.next_plan = (1, 0)  # ahead mode: a first greedy round drafts depth 0 and verifies nothing
         self.plain_rounds = 0  # ahead mode: width-0 rounds since the last probe
+        self.deferred = False  # plain rounds ran whose drafter entries no round has caught up on yet
         self._costs: dict[tuple, RoundCosts] = {}  # looked up on the device once (a lookup is ~0.4 ms of host time)
 
     def _lookup(self, spec: SpecConfig, batch: int, ctx: int, sampled: bool) -> RoundCosts:
@@ -240,13 +246,22 @@ class Controller:
             self.plain_rounds = self.plain_rounds + 1 if width == 0 else 0
             probe = self.plain_rounds % PROBE_EVERY == 1  # the first width-0 round of a streak, then every 8th
             costs.plan = PLAIN_ROUND if width == 0 and not probe else (depth, width)
+            self._flush_if_deferred(costs)
             self.trace.append(costs.plan)
             return dataclasses.replace(base, depth=max(costs.plan[0], 1), num_nodes=max(width, 1)), costs
         if self.spec.sampled(params):
             self.sampled_depths.append(self.sampled_depth)
             costs = self._lookup(self.spec, batch, ctx, sampled=True)
+            self._flush_if_deferred(costs)
             return dataclasses.replace(self.spec, depth=self.sampled_depth), costs
         return self.spec, None
+
+    def _flush_if_deferred(self, costs: RoundCosts) -> None:
+        """A plain round defers its drafter entry; the next round that drafts catches up on all of them first."""
+        if costs.plan == PLAIN_ROUND:
+            self.deferred = True
+        elif self.deferred:
+            costs.flush, self.deferred = True, False
 
     def after(self, costs: RoundCosts | None, plan: list[int] | None) -> None:
         """After the round's host sync, with the plan it wrote (``StepOut.plan``, read in that sync): the next

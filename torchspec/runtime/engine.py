@@ -39,12 +39,13 @@ import time
 
 import torch
 
-from torchspec.runtime.controlled_drafting import Calibration, Controller
+from torchspec.runtime.controlled_drafting import PROBE_EVERY, Calibration, Controller
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
 from torchspec.runtime.graphs import StepGraphs
 from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator, PagedKVCache, table_columns
+from torchspec.runtime.pending_drafter import PendingDrafter
 from torchspec.runtime.prefix_cache import TARGET_ONLY, WITH_DRAFTER, PrefixCache
 from torchspec.runtime.recurrent_state import RecurrentState
 from torchspec.runtime.sampling import RowSampling, SamplingParams
@@ -83,8 +84,11 @@ class SpeculativeEngine:
         dev = decoder.embed_tokens_weight.device
         self.device = dev
         drafter_cache = runner.make_kv_cache(num_pages, page_size) if runner is not None else None
+        pending = None if runner is None else PendingDrafter(  # the controller's plain rounds defer drafter entries
+            max_batch, PROBE_EVERY - 1, len(runner.config.aux_layer_ids), decoder.hidden_size,
+            decoder.embed_tokens_weight.dtype, decoder.embed_tokens_weight.device)
         self.caches = Caches(PagedKVCache.for_target(decoder, num_pages, page_size), drafter_cache, page_size,
-                             RecurrentState.for_target(decoder, max_batch))
+                             RecurrentState.for_target(decoder, max_batch), pending)
         self.prefix_cache = PrefixCache(page_size) if prefix_cache and self.caches.recurrent is None else None
         self.allocator = PageAllocator(num_pages, self.prefix_cache.evict if self.prefix_cache else None)
         self.block_table = torch.full((max_batch, self.pages_per_row), TRASH_PAGE, dtype=torch.long, device=dev)
@@ -296,6 +300,8 @@ class SpeculativeEngine:
                       self._sampling(rows, rows, greedy), self.generator, slots=index, ctx=ctx_d,
                       next_tokens=follow_d)
         self._store(index, out)
+        if self.caches.pending is not None:  # a new request's drafter entries are its prefill's
+            self.caches.pending.reset(index)
         first = out.root.tolist()
         dt = time.perf_counter() - t0
         for (i, n), tok, nxt in zip(plan, first, follow):
@@ -354,7 +360,7 @@ class SpeculativeEngine:
                                        feedback=self.feedback[index], ctx_len=ctx, block_table=bt, row_valid=valid),
                     "slots": index, "params": params, "costs": costs}
         kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
-        key = ("plain" if spec is None else "spec", len(active), spec, kind, cols, costs and costs.plan)
+        key = ("plain" if spec is None else "spec", len(active), spec, kind, cols, costs and (costs.plan, costs.flush))
         out = step(**args) if self.graphs is None else self._run_graph(key, step, args)
         self._store(index, out)
         synced = torch.cat([out.count[:, None], out.tokens], 1)
@@ -377,10 +383,11 @@ class SpeculativeEngine:
         return table_columns(keys, self.page_size, self.pages_per_row)
 
     def _run_graph(self, key, step, args: dict):
-        """``graphs.run``; a hybrid target's graph is captured on idle inputs (every row invalid), so
-        its warm-up runs commit no recurrent state (``graphs.py``)."""
-        return self.graphs.run(key, step, args, capture_inputs=_all_rows_invalid if self.caches.recurrent is not None
-                               else None)
+        """``graphs.run``; a hybrid target's graph, and a controlled round's (its deferred drafter entries and the
+        calibration's evidence), are captured on idle inputs (every row invalid), so the warm-up runs commit no
+        state (``graphs.py``)."""
+        stateful = self.caches.recurrent is not None or args.get("costs") is not None
+        return self.graphs.run(key, step, args, capture_inputs=_all_rows_invalid if stateful else None)
 
     # --- helpers ----------------------------------------------------------------------------------
 

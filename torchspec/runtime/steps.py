@@ -48,6 +48,7 @@ from torchspec.runtime.paged_kv import (
     build_attention_meta,
     slots_for_positions,
 )
+from torchspec.runtime.pending_drafter import PendingDrafter, catch_up_pending
 from torchspec.runtime.recurrent_state import (
     HybridAttend,
     RecurrentState,
@@ -68,6 +69,7 @@ class Caches:
     drafter: PagedKVCache | None
     page_size: int
     recurrent: RecurrentState | None = None  # hybrid targets: per-slot conv / delta-rule state
+    pending: PendingDrafter | None = None  # drafter entries deferred by the controller's plain rounds
 
 
 @dataclass
@@ -182,12 +184,13 @@ def plain_step(decoder: TargetDecoder, caches: Caches, block_table: torch.Tensor
     return StepOut(tokens=tok[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=tok)
 
 
-def plain_step_keeping_drafter(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, block_table: torch.Tensor,
-                               ctx: torch.Tensor, root: torch.Tensor, row_valid: torch.Tensor, slots: torch.Tensor | None
-                               ) -> StepOut:
-    """A greedy plain step that keeps the drafter current: the target forward over the root captures the drafter's
-    aux layers and the drafter catches up on the committed token (what a round verifying nothing commits, without
-    drafting: the draft controller's plain rounds between its probes)."""
+def plain_step_deferring_drafter(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches,
+                                 block_table: torch.Tensor, ctx: torch.Tensor, root: torch.Tensor,
+                                 row_valid: torch.Tensor, slots: torch.Tensor | None) -> StepOut:
+    """A greedy plain step whose drafter entry is deferred (the draft controller's plain rounds): the target forward
+    over the root captures the drafter's aux layers, and the committed token and those states wait in
+    ``caches.pending`` for the next round that drafts (``pending_drafter.catch_up_pending``). The output carries
+    no drafter state: the engine keeps the stale one, which that round replaces."""
     b = root.shape[0]
     dev = root.device
     meta = build_attention_meta(block_table, ctx, torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
@@ -195,9 +198,8 @@ def plain_step_keeping_drafter(decoder: TargetDecoder, runner: DrafterRunner, ca
     out = decoder(root[:, None], ctx[:, None], target_attend(caches, meta, slots, row_valid),
                   capture_layers=tuple(runner.config.aux_layer_ids))
     tok = decoder.argmax(out.hidden)[:, 0]  # [B]
-    zero = torch.zeros(b, dtype=torch.long, device=dev)
-    normed, feedback = catch_up_drafter(runner, caches, block_table, ctx, tok[:, None], out.aux, zero, row_valid)
-    return StepOut(tokens=tok[:, None], count=zero + 1, root=tok, normed=normed, feedback=feedback)
+    caches.pending.push(torch.arange(b, device=dev) if slots is None else slots, tok, out.aux, row_valid)
+    return StepOut(tokens=tok[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=tok)
 
 
 def verify_forward(decoder: TargetDecoder, caches: Caches, tree: DraftTree, depth: int, block_table: torch.Tensor,
@@ -220,8 +222,11 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
     the output carries its plan for the next round (ahead mode; sampled rounds: the next one's depth)."""
     plan = None
     if costs is not None and params.greedy and costs.plan == PLAIN_ROUND:
-        return plain_step_keeping_drafter(decoder, runner, caches, inp.block_table, inp.ctx_len, inp.root, inp.row_valid,
-                                          slots)
+        return plain_step_deferring_drafter(decoder, runner, caches, inp.block_table, inp.ctx_len, inp.root,
+                                            inp.row_valid, slots)
+    if costs is not None and costs.flush:  # the first round drafting after plain rounds: their drafter entries
+        inp = catch_up_pending(runner, caches, inp, torch.arange(inp.root.shape[0], device=inp.root.device)
+                               if slots is None else slots)
     if costs is not None and params.greedy and costs.plan is not None:
         tree, plan = draft_ahead_tree(runner, caches.drafter, inp, spec, costs)
     elif costs is not None and params.greedy:
