@@ -224,7 +224,7 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
     if costs is not None and params.greedy and costs.plan == PLAIN_ROUND:
         return plain_step_deferring_drafter(decoder, runner, caches, inp.block_table, inp.ctx_len, inp.root,
                                             inp.row_valid, slots)
-    if costs is not None and costs.flush:  # the first round drafting after plain rounds: their drafter entries
+    if costs is not None and costs.flush:  # the first round drafting after plain rounds catches the drafter up
         inp = catch_up_pending(runner, caches, inp, torch.arange(inp.root.shape[0], device=inp.root.device)
                                if slots is None else slots)
     if costs is not None and params.greedy and costs.plan is not None:
