@@ -81,7 +81,7 @@ def test_a_real_target_with_its_drafter_untrained(tool, tmp_path, tiny_tokenizer
     out = tmp_path / "real.json"
     tool.main(["--target", target, "--drafter", f"good={drafter}", "--drafter", f"untrained={drafter}",
                "--concurrency", "1", "--chains", "2", "--trees", "2x2x3", "--max-new-tokens", "8", "--prompt-len", "6",
-               "--repeats", "1", "--device", "cpu", "--out", str(out)])
+               "--repeats", "1", "--num-prompts", "1", "--device", "cpu", "--out", str(out)])
     rows = {r["drafter"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"good", "untrained"}
     assert rows["good"]["sweep"]["chain2"]["acceptance"] > rows["untrained"]["sweep"]["chain2"]["acceptance"]
@@ -90,7 +90,8 @@ def test_a_real_target_with_its_drafter_untrained(tool, tmp_path, tiny_tokenizer
 def test_without_a_table_the_costs_are_measured_and_written(tool, tmp_path):
     out = tmp_path / "c.json"
     tool.main(["--shape", "tiny", "--noise", "0.0", "--concurrency", "1", "--chains", "1", "--trees", "2x2x3",
-               "--max-new-tokens", "6", "--prompt-len", "6", "--repeats", "1", "--device", "cpu", "--out", str(out)])
+               "--max-new-tokens", "6", "--prompt-len", "6", "--repeats", "1", "--num-prompts", "1", "--device", "cpu",
+               "--out", str(out)])
     table = json.loads(out.with_suffix(".costs.json").read_text())
     assert table["version"] == 2 and len(table["round_ms"]) == 1 and table["nodes"][0] == 0 and table["batches"] == [1]
 

