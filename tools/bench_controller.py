@@ -198,8 +198,9 @@ def bench(args) -> dict:
                           max_new=args.max_new_tokens, seed=args.seed, concurrency=c)
             for spec in [None, *shapes]:  # compiles, captures the graphs
                 engine.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c)
-            for spec in (controlled, SpecConfig(shape="chain", depth=controlled.depth)):  # the shapes it plans
-                run(spec=spec, controller=table, controller_mode=mode)
+            for spec in (controlled, SpecConfig(shape="chain", depth=controlled.depth)):  # the graphs of its plans
+                if engine.graphs is not None:
+                    run(spec=spec, controller=table, controller_mode=mode)
             plain = run(spec=None)
             fixed = {_label(s): run(spec=s) for s in shapes}
             best = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
