@@ -184,12 +184,6 @@ def check_table_for(table: CostTable, spec: SpecConfig) -> None:
                          f"torchspec-profile with --nodes up to {most} or lower spec num_nodes.")
 
 
-def pool_size(spec: SpecConfig, depth: int) -> int:
-    """Nodes a dynamic tree of ``spec``'s top-k (1: a chain) holds after ``depth`` depths."""
-    k = 1 if spec.shape == "chain" else spec.topk
-    return k + (depth - 1) * k * k
-
-
 class Controller:
     """The draft controller across rounds (``SpeculativeEngine.configure(controller=table)``): the cost table,
     the drafter's ``calibration``, each round's shape (``plan``), what the round decided for the next
@@ -241,7 +235,7 @@ class Controller:
             if self.mode == "within":
                 return base, costs
             depth = min(self.next_plan[0], base.depth)
-            fits = min(self.next_plan[1], pool_size(base, depth), base.num_drafted(params))
+            fits = min(self.next_plan[1], base.proposed(depth), base.num_drafted(params))
             width = max(n for n in [*range(DENSE_WIDTHS + 1), *self.table.nodes] if n <= fits)  # an allowed width
             self.plain_rounds = self.plain_rounds + 1 if width == 0 else 0
             probe = self.plain_rounds % PROBE_EVERY == 1  # the first width-0 round of a streak, then every 8th
@@ -355,4 +349,4 @@ def next_depth_after_sampled(tree: DraftTree, depth: int, costs: RoundCosts, row
 
 
 __all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "Calibration", "Controller", "RoundCosts", "check_table_for", "draft_ahead_tree",
-           "draft_controlled_tree", "next_depth_after_sampled", "pool_size", "sampled_go_flags"]
+           "draft_controlled_tree", "next_depth_after_sampled", "sampled_go_flags"]

@@ -69,12 +69,17 @@ class SpecConfig:
         if self.shape == "tree":
             if self.topk < 1:
                 raise ValueError(f"spec topk={self.topk} must be >= 1.")
-            most = self.topk + (self.depth - 1) * self.topk * self.topk
+            most = self.proposed()
             if not 1 <= self.num_nodes <= most:
                 raise ValueError(f"spec num_nodes={self.num_nodes} must lie in [1, {most}] "
                                  f"(topk + (depth - 1) * topk^2 nodes are proposed).")
             if len(self.branching) < self.depth or any(b < 1 for b in self.branching):
                 raise ValueError(f"spec branching={self.branching} needs {self.depth} entries >= 1 (one per depth).")
+
+    def proposed(self, depth: int | None = None) -> int:
+        """Nodes the dynamic tree (a chain: k = 1) proposes after ``depth`` of its depths (default all of them)."""
+        k = 1 if self.shape == "chain" else self.topk
+        return k + ((self.depth if depth is None else depth) - 1) * k * k
 
     def sampled(self, params: SamplingParams | RowSampling) -> bool:
         return not params.greedy and self.candidates != "deterministic"

@@ -175,13 +175,19 @@ def plain_step(decoder: TargetDecoder, caches: Caches, block_table: torch.Tensor
                root: torch.Tensor, row_valid: torch.Tensor, params: SamplingParams | RowSampling,
                generator: torch.Generator, slots: torch.Tensor | None = None) -> StepOut:
     """Plain decoding: one target forward per token (a hybrid target's state is committed at once)."""
-    b = root.shape[0]
-    dev = root.device
-    meta = build_attention_meta(block_table, ctx, torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
-                                caches.page_size, row_valid=row_valid)
-    out = decoder(root[:, None], ctx[:, None], target_attend(caches, meta, slots, row_valid))
+    out = _root_forward(decoder, caches, block_table, ctx, root, row_valid, slots)
     tok = next_token(decoder, out.hidden[:, 0], params, generator)
-    return StepOut(tokens=tok[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=tok)
+    return StepOut(tokens=tok[:, None], count=torch.ones_like(tok), root=tok)
+
+
+def _root_forward(decoder: TargetDecoder, caches: Caches, block_table: torch.Tensor, ctx: torch.Tensor,
+                  root: torch.Tensor, row_valid: torch.Tensor, slots: torch.Tensor | None,
+                  capture_layers: tuple[int, ...] = ()):
+    """The target forward over each row's root at position ctx (a plain step's), capturing ``capture_layers``."""
+    meta = build_attention_meta(block_table, ctx, torch.ones(root.shape[0], 1, 1, dtype=torch.bool, device=root.device),
+                                caches.page_size, row_valid=row_valid)
+    return decoder(root[:, None], ctx[:, None], target_attend(caches, meta, slots, row_valid),
+                   capture_layers=capture_layers)
 
 
 def plain_step_deferring_drafter(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches,
@@ -191,15 +197,11 @@ def plain_step_deferring_drafter(decoder: TargetDecoder, runner: DrafterRunner, 
     over the root captures the drafter's aux layers, and the committed token and those states wait in
     ``caches.pending`` for the next round that drafts (``pending_drafter.catch_up_pending``). The output carries
     no drafter state: the engine keeps the stale one, which that round replaces."""
-    b = root.shape[0]
-    dev = root.device
-    meta = build_attention_meta(block_table, ctx, torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
-                                caches.page_size, row_valid=row_valid)
-    out = decoder(root[:, None], ctx[:, None], target_attend(caches, meta, slots, row_valid),
-                  capture_layers=tuple(runner.config.aux_layer_ids))
+    out = _root_forward(decoder, caches, block_table, ctx, root, row_valid, slots, tuple(runner.config.aux_layer_ids))
     tok = decoder.argmax(out.hidden)[:, 0]  # [B]
-    caches.pending.push(torch.arange(b, device=dev) if slots is None else slots, tok, out.aux, row_valid)
-    return StepOut(tokens=tok[:, None], count=torch.ones(b, dtype=torch.long, device=dev), root=tok)
+    caches.pending.push(torch.arange(tok.shape[0], device=tok.device) if slots is None else slots, tok, out.aux,
+                        row_valid)
+    return StepOut(tokens=tok[:, None], count=torch.ones_like(tok), root=tok)
 
 
 def verify_forward(decoder: TargetDecoder, caches: Caches, tree: DraftTree, depth: int, block_table: torch.Tensor,
