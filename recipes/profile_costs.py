@@ -8,9 +8,9 @@ Loads the target and the exported drafter as ``torchspec-generate`` does, then t
 for every context bucket (``--contexts``, committed tokens a row) and padded batch size
 (``--batches``): one draft depth at each frontier width (``--widths``) and the target's verify
 forward at each verified-node count (``--nodes``, 0 = a plain decode step), each the median of
-``--repeats`` timed runs (``torchspec/runtime/cost_profile.py``): ``--timing eager`` (the default) launches
-them op by op as the host-chained controller serves today, ``--timing graph`` replays CUDA graphs (the
-hardware's cost without launches, what graphed rounds will pay). Writes the versioned
+``--repeats`` timed runs (``torchspec/runtime/cost_profile.py``): ``--timing graph`` (the default) replays
+CUDA graphs, as the controller's "ahead" mode serves; ``--timing eager`` launches them op by op, as the
+host-chained "within" mode does. Writes the versioned
 table (``torchspec/runtime/cost_table.py``) atomically to ``--out``, keyed by (device, TP, target
 fingerprint, drafter, dtype), and with ``--plot`` a PNG of it. On CPU the times are wall-clock and
 mean nothing. Every option and path is checked before a model loads; user errors print one line
@@ -41,8 +41,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--nodes", default=DEFAULTS["nodes"], help="verified drafted nodes a row; must hold 0 (plain step)")
     p.add_argument("--contexts", default=DEFAULTS["contexts"], help="context buckets: committed tokens a row")
     p.add_argument("--repeats", type=int, default=20, metavar="R", help="timed runs a measurement (median)")
-    p.add_argument("--timing", default="eager", choices=["eager", "graph"],
-                   help="eager: launched op by op, as the host-chained controller serves (default); graph: CUDA graphs")
+    p.add_argument("--timing", default="graph", choices=["graph", "eager"],
+                   help="graph: CUDA graph replays, as the ahead mode serves (default); eager: op by op, as within mode")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="serving dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (as the engine serves)")

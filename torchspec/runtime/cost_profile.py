@@ -22,9 +22,9 @@ For every context bucket and padded batch size b, on an idle engine whose rows a
 On CUDA the time is the median of R runs bracketed by CUDA events, each launched on an idle GPU as an
 engine's rounds are, after three eager warm-ups (which also compile the fused regions), in one of two
 ``timing`` modes: ``"graph"``, each measured function captured in a CUDA graph and replayed (what a
-graphed round pays), or ``"eager"``, each run launched op by op from the host, so the time holds the
-launches the GPU waits for (what the host-chained controller pays today: it serves without graphs,
-``controlled_drafting.py``). The table records its mode (``meta["timing"]``). Elsewhere it is the median
+graphed round pays: the controller's default "ahead" mode), or ``"eager"``, each run launched op by op
+from the host, so the time holds the launches the GPU waits for (what the host-chained "within" mode pays:
+it serves without graphs, ``controlled_drafting.py``). The table records its mode (``meta["timing"]``). Elsewhere it is the median
 of R wall-clock runs after two warm-ups: enough to exercise the profiler in CPU tests, meaningless as
 costs.
 
@@ -66,15 +66,7 @@ def graph_replay(fn: Callable[[], object], replays: int, keep_graph: bool = Fals
         fn()
     if keep_graph:
         graph.instantiate()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), graph
+    return _event_median(graph.replay, replays), graph
 
 
 def graph_ms(fn: Callable[[], object], replays: int) -> float:
@@ -87,12 +79,17 @@ def eager_ms(fn: Callable[[], object], repeats: int) -> float:
     sync before each run) after 3 warm-ups: the host's launch latency counts where the GPU waits for it."""
     for _ in range(3):
         fn()
+    return _event_median(fn, repeats)
+
+
+def _event_median(launch: Callable[[], object], repeats: int) -> float:
+    """Median ms between CUDA events around ``launch()``, each run started on an idle GPU."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         start.record()
-        fn()
+        launch()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))

@@ -23,7 +23,7 @@ keeps its table) and the serving dtype.
      "depth_ms":  [context][batch][width],
      "verify_ms": [context][batch][node],
      "round_ms":  [context][batch],             a whole round that verifies nothing (below)
-     "meta": {"timing": "eager", "repeats": 20, ...}}  (timing: "eager" | "graph", cost_profile.py)
+     "meta": {"timing": "graph", "repeats": 20, ...}}  (timing: "graph" | "eager", cost_profile.py)
 
 ``round_ms`` is a whole controlled round of width 0 -- depth 0's candidates, the controller's decision,
 the verify forward of the root alone, acceptance and the drafter's catch-up -- so ``round_ms -
