@@ -185,6 +185,7 @@ def bench(args) -> dict:
     levels, shapes, controlled = checked["levels"], checked["shapes"], checked["controlled"]
     g = torch.Generator().manual_seed(args.seed)
     mode = args.controller_mode
+    chain = SpecConfig(shape="chain", depth=controlled.depth)  # the controller's k = 1 (chain_from_batch)
     rows, out = [], {"controller_mode": mode, "args": vars(args), "rows": []}
     for name, engine in engines(args, checked, max(levels), args.prompt_len + args.max_new_tokens + 160):
         prompts = bench_prompts(args, engine, max(*levels, args.num_prompts), g)
@@ -198,7 +199,7 @@ def bench(args) -> dict:
                           max_new=args.max_new_tokens, seed=args.seed, concurrency=c)
             for spec in [None, *shapes]:  # compiles, captures the graphs
                 engine.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c)
-            for spec in (controlled, SpecConfig(shape="chain", depth=controlled.depth)):  # the graphs of its plans
+            for spec in (controlled, chain):  # the graphs of its plans
                 if engine.graphs is not None:
                     run(spec=spec, controller=table, controller_mode=mode)
             plain = run(spec=None)
@@ -209,7 +210,6 @@ def bench(args) -> dict:
             paired_best = paired_timings(partial(run, spec=None), partial(run, spec=best_spec), args.repeats)
             paired_ctl = paired_timings(partial(run, spec=None),
                                         partial(controller_run, run, engine, controlled, table, mode, decisions), args.repeats)
-            chain = SpecConfig(shape="chain", depth=controlled.depth)  # the controller's k = 1 (chain_from_batch)
             paired_chain = paired_timings(partial(run, spec=None),
                                           partial(controller_run, run, engine, chain, table, mode, chain_decisions),
                                           args.repeats)
