@@ -39,17 +39,17 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torchspec.runtime import engine as engine_module  # noqa: E402
+from torchspec.runtime import engine_forwards as forwards_module  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig  # noqa: E402
 
-FORWARDS = ("prefill", "plain_step", "speculate")  # the step functions engine.py calls, by name
+FORWARDS = ("prefill", "plain_step", "speculate")  # the step functions engine_forwards.py calls, by name
 MODES = {"plain": None, "chain": SpecConfig(shape="chain", depth=4),
          "tree": SpecConfig(shape="tree", depth=4, topk=4, num_nodes=16)}
 
 
 class ForwardTimer:
-    """Wraps the engine's forwards (``FORWARDS`` and ``SpeculativeEngine._run_graph``) to time them;
-    the outermost call only (a graph capture runs the step function inside ``_run_graph``)."""
+    """Wraps the engine's forwards (``FORWARDS`` and ``engine_forwards.run_graph``) to time them;
+    the outermost call only (a graph capture runs the step function inside ``run_graph``)."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.depth = cuda, 0
@@ -85,17 +85,15 @@ class ForwardTimer:
 
     @contextlib.contextmanager
     def installed(self):
-        saved = {name: getattr(engine_module, name) for name in FORWARDS}
-        graph = engine_module.SpeculativeEngine._run_graph
+        saved = {name: getattr(forwards_module, name) for name in (*FORWARDS, "run_graph")}
         for name in FORWARDS:
-            setattr(engine_module, name, self.wrap(saved[name], "prefill" if name == "prefill" else "decode"))
-        engine_module.SpeculativeEngine._run_graph = self.wrap(graph, "decode")
+            setattr(forwards_module, name, self.wrap(saved[name], "prefill" if name == "prefill" else "decode"))
+        forwards_module.run_graph = self.wrap(saved["run_graph"], "decode")
         try:
             yield self
         finally:
             for name, fn in saved.items():
-                setattr(engine_module, name, fn)
-            engine_module.SpeculativeEngine._run_graph = graph
+                setattr(forwards_module, name, fn)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.tool_loader import load_tool
-from torchspec.runtime import engine as engine_module
+from torchspec.runtime import engine_forwards as forwards_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,13 +50,13 @@ def test_json_keys_and_split(tool, tmp_path):
 
 def test_forward_time_catches_a_slow_forward(tool, monkeypatch, tmp_path):
     slow = 0.02
-    plain_step = engine_module.plain_step
+    plain_step = forwards_module.plain_step
 
     def sleepy(*args, **kwargs):
         time.sleep(slow)
         return plain_step(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "plain_step", sleepy)
+    monkeypatch.setattr(forwards_module, "plain_step", sleepy)
     args = tool.parse_args(SMALL + ["--modes", "plain", "--concurrency", "2"])
     engine = tool.build_engine("cpu", "auto", 2, 128, 4, str(tmp_path))
     row = tool.run_config(engine, "plain", 2, args)

@@ -10,7 +10,7 @@ slots of cancelled requests, admit waiting requests into free slots (each takes 
 cached prefix, ``prefix_cache.py``), run ONE prefill forward (the next chunks of the prompts being
 prefilled, at most ``prefill_tokens`` padded tokens: a long prompt never stalls the running rows for
 its whole prefill), then ONE decode round over the rows past their prefill (a speculation round, or a
-plain decode step), and return the results that finished. The host reads back only what a step
+plain decode step), and return the results that finished (the two forwards: ``engine_forwards.py``). The host reads back only what a step
 committed (a few ints per row) once per round, and once per prefill forward (its first tokens); all
 per-round tensors are static in shape. What the host sends (chunk tokens, lengths, block-table
 entries, per-row settings) goes as one packed asynchronous copy per forward (``scheduler.host_to_device``),
@@ -33,27 +33,24 @@ invalid, which commits nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
 
 import torch
 
 from torchspec.runtime.controlled_drafting import PROBE_EVERY, Calibration, Controller
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
-from torchspec.runtime.drafting import DraftInputs, SpecConfig
+from torchspec.runtime.drafting import SpecConfig
+from torchspec.runtime.engine_forwards import GREEDY, decode_round, prefill_forward
 from torchspec.runtime.graphs import StepGraphs
 from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator, PagedKVCache, table_columns
 from torchspec.runtime.pending_drafter import PendingDrafter
 from torchspec.runtime.prefix_cache import TARGET_ONLY, WITH_DRAFTER, PrefixCache
 from torchspec.runtime.recurrent_state import RecurrentState
-from torchspec.runtime.sampling import RowSampling, SamplingParams
-from torchspec.runtime.scheduler import GenerationResult, Scheduler, host_to_device
-from torchspec.runtime.steps import Caches, plain_step, prefill, speculate
+from torchspec.runtime.sampling import SamplingParams
+from torchspec.runtime.scheduler import GenerationResult, Scheduler
+from torchspec.runtime.steps import Caches
 from torchspec.targets import TargetDecoder
-
-GREEDY = SamplingParams()
 
 
 class SpeculativeEngine:
@@ -190,7 +187,7 @@ class SpeculativeEngine:
         sch.admit()
         plan = sch.plan_prefill()
         if plan:
-            self._prefill(plan)
+            prefill_forward(self, plan)
         rows = [i for i, s in enumerate(sch.slots)  # decoding: past the prompt, not finished (one pass, no properties)
                 if s is not None and s.ctx >= len(s.request.prompt) and not s.request.result.finish_reason]
         while rows:  # rows whose next round would not fit end now; the round's kind follows the rest
@@ -200,7 +197,7 @@ class SpeculativeEngine:
                 break
             rows = left
         if rows:
-            self._round(rows, greedy)
+            decode_round(self, rows, greedy)
         return self._finish(done + sch.retire())
 
     @torch.no_grad()
@@ -265,129 +262,9 @@ class SpeculativeEngine:
     def _per_round(self, greedy: bool) -> int:
         return self._per_round_of[greedy]
 
-    def _sampling(self, rows: list[int], active, greedy: bool) -> SamplingParams | RowSampling:
-        """The round's settings: ``RowSampling`` over ``active`` (``rows`` keep theirs, the others are
-        greedy), built on the host and sent by asynchronous copies (no sync)."""
-        if greedy:
-            return GREEDY
-        slots, chosen = self.scheduler.slots, set(rows)
-        host = RowSampling.of([slots[i].request.sampling if i in chosen else GREEDY for i in active], "cpu")
-        t, p, k = (host_to_device(x, x.dtype, self.device) for x in (host.temperature, host.top_p, host.top_k))
-        return RowSampling(t, p, k, greedy=host.greedy, filtered=host.filtered)
-
-    def _prefill(self, plan: list[tuple[int, int]]) -> None:
-        """One prefill forward: the next chunk of each planned slot's prompt [(slot, length)]."""
-        t0 = time.perf_counter()
-        sch, slots = self.scheduler, self.scheduler.slots
-        b, width = len(plan), max(n for _, n in plan)
-        rows = [i for i, _ in plan]
-        lengths = [n for _, n in plan]
-        ctx = [slots[i].ctx for i in rows]
-        follow, ids = [], []
-        for i, n in plan:
-            s, prompt = slots[i], slots[i].request.prompt
-            follow.append(prompt[s.ctx + n] if s.ctx + n < len(prompt) else -1)
-            ids += prompt[s.ctx:s.ctx + n]
-            ids += [0] * (width - n)
-            sch.ensure_pages(i, s.ctx + n)
-        sch.flush_table()
-        cols = self.table_columns_for(max(c + n for c, n in zip(ctx, lengths)))
-        packed = host_to_device(rows + lengths + ctx + follow + ids, torch.long, self.device)  # one copy
-        index, lengths_d, ctx_d, follow_d = (packed[k * b:(k + 1) * b] for k in range(4))
-        greedy = all(slots[i].request.sampling.greedy for i in rows)
-        out = prefill(self.decoder, self.runner if self.spec is not None else None, self.caches,
-                      self.block_table[index, :cols], packed[4 * b:].view(b, width), lengths_d,
-                      self._sampling(rows, rows, greedy), self.generator, slots=index, ctx=ctx_d,
-                      next_tokens=follow_d)
-        self._store(index, out)
-        if self.caches.pending is not None:  # a new request's drafter entries are its prefill's
-            self.caches.pending.reset(index)
-        first = out.root.tolist()
-        dt = time.perf_counter() - t0
-        for (i, n), tok, nxt in zip(plan, first, follow):
-            sch.prefilled(i, n)
-            slots[i].request.result.prefill_s += dt / len(plan)
-            if nxt < 0:  # the prompt's last chunk: its first token
-                sch.commit(i, [tok])
-
-    def _store(self, rows: torch.Tensor, out) -> None:
-        self.root[rows] = out.root
-        if out.normed is not None:
-            self.normed[rows] = out.normed.to(self.normed.dtype)
-            self.feedback[rows] = out.feedback.to(self.feedback.dtype)
-
-    def _round(self, rows: list[int], greedy: bool) -> None:
-        """One decode round (speculation, or a plain step) over ``rows``; with CUDA graphs every slot
-        runs, the others as invalid rows, so one static shape serves all rounds."""
-        t0 = time.perf_counter()
-        self.decode_rounds += 1
-        sch, spec = self.scheduler, self.spec
-        slots = sch.slots
-        per_round = self._per_round(greedy)
-        for i in rows:
-            sch.ensure_pages(i, slots[i].ctx + per_round)  # allocates only when the round crosses into a new page
-        sch.flush_table()
-        if self.graphs is not None:  # every slot runs (one static shape); row j is slot j
-            active, chosen = range(sch.concurrency), set(rows)
-            index = self.slot_ids[: sch.concurrency]
-            ctx = host_to_device([slots[i].ctx if i in chosen else -1 for i in active], torch.long, self.device)
-            valid = ctx >= 0
-            ctx = ctx.clamp(min=0)
-            position = rows  # of row i in the round's outputs
-        else:
-            active = rows
-            packed = host_to_device(rows + [slots[i].ctx for i in rows], torch.long, self.device)
-            index, ctx = packed[: len(rows)], packed[len(rows):]
-            valid = torch.ones(len(rows), dtype=torch.bool, device=self.device)
-            position = range(len(rows))
-        cols = self.table_columns_for(max(slots[i].ctx for i in rows) + per_round)
-        bt = self.block_table[index, :cols]
-        params = self._sampling(rows, active, greedy)
-        generator = self.generator if self.graphs is None else None
-        costs = None
-        if spec is None:
-            def step(bt, ctx, root, valid, slots, params):
-                return plain_step(self.decoder, self.caches, bt, ctx, root, valid, params, generator, slots=slots)
-            args = {"bt": bt, "ctx": ctx, "root": self.root[index], "valid": valid, "slots": index, "params": params}
-        else:
-            if self.controller is not None:  # the round's shape and measured costs at its batch and context
-                spec, costs = self.controller.plan(params, len(active), max(slots[i].ctx for i in rows))
-
-            def step(inp, slots, params, costs):  # costs: graph inputs (the table's row for this batch and context)
-                return speculate(self.decoder, self.runner, self.caches, inp, spec, params, generator, slots=slots,
-                                 costs=costs)
-            args = {"inp": DraftInputs(root=self.root[index], normed=self.normed[index],
-                                       feedback=self.feedback[index], ctx_len=ctx, block_table=bt, row_valid=valid),
-                    "slots": index, "params": params, "costs": costs}
-        kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
-        key = ("plain" if spec is None else "spec", len(active), spec, kind, cols, costs and (costs.plan, costs.flush))
-        out = step(**args) if self.graphs is None else self._run_graph(key, step, args)
-        self._store(index, out)
-        synced = torch.cat([out.count[:, None], out.tokens], 1)
-        if out.plan is not None:  # the controller's plan rides on the same transfer (a padded last row)
-            synced = torch.cat([synced, torch.nn.functional.pad(out.plan, (0, synced.shape[1] - 2))[None]])
-        committed = synced.tolist()  # the round's one host sync
-        if self.controller is not None:
-            self.controller.after(costs, committed.pop() if out.plan is not None else None)
-        dt = time.perf_counter() - t0
-        for i, j in zip(rows, position):
-            count, *tokens = committed[j]
-            s = slots[i]
-            s.ctx += count
-            result = s.request.result
-            result.decode_s += dt
-            result.accept_lengths.append(sch.commit(i, tokens[:count]))  # a stop or the limit may cut the round
-
     def table_columns_for(self, keys: int) -> int:
         """``paged_kv.table_columns`` of this engine's table: each width is its own CUDA graph."""
         return table_columns(keys, self.page_size, self.pages_per_row)
-
-    def _run_graph(self, key, step, args: dict):
-        """``graphs.run``; a hybrid target's graph, and a controlled round's (its deferred drafter entries and the
-        calibration's evidence), are captured on idle inputs (every row invalid), so the warm-up runs commit no
-        state (``graphs.py``)."""
-        stateful = self.caches.recurrent is not None or args.get("costs") is not None
-        return self.graphs.run(key, step, args, capture_inputs=_all_rows_invalid if stateful else None)
 
     # --- helpers ----------------------------------------------------------------------------------
 
@@ -413,16 +290,6 @@ class SpeculativeEngine:
     @property
     def total_pages(self) -> int:
         return self.allocator.capacity
-
-
-def _all_rows_invalid(args: dict) -> dict:
-    """A step's inputs with every row invalid: running it writes nothing (CUDA-graph warm-ups)."""
-    idle = dict(args)
-    if "valid" in idle:
-        idle["valid"] = torch.zeros_like(args["valid"])
-    else:
-        idle["inp"] = dataclasses.replace(args["inp"], row_valid=torch.zeros_like(args["inp"].row_valid))
-    return idle
 
 
 __all__ = ["GenerationResult", "SpeculativeEngine"]

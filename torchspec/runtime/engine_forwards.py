@@ -1,0 +1,158 @@
+"""The engine's forwards: one prefill forward and one decode round, as functions of a ``SpeculativeEngine``.
+
+``engine.py`` keeps the request API and the scheduling loop; this module turns one scheduling
+decision into device work. ``prefill_forward`` runs the next chunk of each planned prompt in one
+forward; ``decode_round`` runs one speculation round (or a plain step) over the decoding rows, under a
+CUDA graph when the engine has them (every slot runs, the others as invalid rows, so one static shape
+serves all rounds), and makes the round's one host sync: the committed count and tokens per row, and
+the draft controller's plan for the next round riding on the same transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from torchspec.runtime.drafting import DraftInputs
+from torchspec.runtime.sampling import RowSampling, SamplingParams
+from torchspec.runtime.scheduler import host_to_device
+from torchspec.runtime.steps import plain_step, prefill, speculate
+
+GREEDY = SamplingParams()
+
+
+def round_sampling(engine, rows: list[int], active, greedy: bool) -> SamplingParams | RowSampling:
+    """The round's settings: ``RowSampling`` over ``active`` (``rows`` keep theirs, the others are
+    greedy), built on the host and sent by asynchronous copies (no sync)."""
+    if greedy:
+        return GREEDY
+    slots, chosen = engine.scheduler.slots, set(rows)
+    host = RowSampling.of([slots[i].request.sampling if i in chosen else GREEDY for i in active], "cpu")
+    t, p, k = (host_to_device(x, x.dtype, engine.device) for x in (host.temperature, host.top_p, host.top_k))
+    return RowSampling(t, p, k, greedy=host.greedy, filtered=host.filtered)
+
+
+def prefill_forward(engine, plan: list[tuple[int, int]]) -> None:
+    """One prefill forward: the next chunk of each planned slot's prompt [(slot, length)]."""
+    t0 = time.perf_counter()
+    sch, slots = engine.scheduler, engine.scheduler.slots
+    b, width = len(plan), max(n for _, n in plan)
+    rows = [i for i, _ in plan]
+    lengths = [n for _, n in plan]
+    ctx = [slots[i].ctx for i in rows]
+    follow, ids = [], []
+    for i, n in plan:
+        s, prompt = slots[i], slots[i].request.prompt
+        follow.append(prompt[s.ctx + n] if s.ctx + n < len(prompt) else -1)
+        ids += prompt[s.ctx:s.ctx + n]
+        ids += [0] * (width - n)
+        sch.ensure_pages(i, s.ctx + n)
+    sch.flush_table()
+    cols = engine.table_columns_for(max(c + n for c, n in zip(ctx, lengths)))
+    packed = host_to_device(rows + lengths + ctx + follow + ids, torch.long, engine.device)  # one copy
+    index, lengths_d, ctx_d, follow_d = (packed[k * b:(k + 1) * b] for k in range(4))
+    greedy = all(slots[i].request.sampling.greedy for i in rows)
+    out = prefill(engine.decoder, engine.runner if engine.spec is not None else None, engine.caches,
+                  engine.block_table[index, :cols], packed[4 * b:].view(b, width), lengths_d,
+                  round_sampling(engine, rows, rows, greedy), engine.generator, slots=index, ctx=ctx_d,
+                  next_tokens=follow_d)
+    store_round(engine, index, out)
+    if engine.caches.pending is not None:  # a new request's drafter entries are its prefill's
+        engine.caches.pending.reset(index)
+    first = out.root.tolist()
+    dt = time.perf_counter() - t0
+    for (i, n), tok, nxt in zip(plan, first, follow):
+        sch.prefilled(i, n)
+        slots[i].request.result.prefill_s += dt / len(plan)
+        if nxt < 0:  # the prompt's last chunk: its first token
+            sch.commit(i, [tok])
+
+
+def store_round(engine, rows: torch.Tensor, out) -> None:
+    engine.root[rows] = out.root
+    if out.normed is not None:
+        engine.normed[rows] = out.normed.to(engine.normed.dtype)
+        engine.feedback[rows] = out.feedback.to(engine.feedback.dtype)
+
+
+def decode_round(engine, rows: list[int], greedy: bool) -> None:
+    """One decode round (speculation, or a plain step) over ``rows``; with CUDA graphs every slot
+    runs, the others as invalid rows, so one static shape serves all rounds."""
+    t0 = time.perf_counter()
+    engine.decode_rounds += 1
+    sch, spec = engine.scheduler, engine.spec
+    slots = sch.slots
+    per_round = engine._per_round(greedy)
+    for i in rows:
+        sch.ensure_pages(i, slots[i].ctx + per_round)  # allocates only when the round crosses into a new page
+    sch.flush_table()
+    if engine.graphs is not None:  # every slot runs (one static shape); row j is slot j
+        active, chosen = range(sch.concurrency), set(rows)
+        index = engine.slot_ids[: sch.concurrency]
+        ctx = host_to_device([slots[i].ctx if i in chosen else -1 for i in active], torch.long, engine.device)
+        valid = ctx >= 0
+        ctx = ctx.clamp(min=0)
+        position = rows  # of row i in the round's outputs
+    else:
+        active = rows
+        packed = host_to_device(rows + [slots[i].ctx for i in rows], torch.long, engine.device)
+        index, ctx = packed[: len(rows)], packed[len(rows):]
+        valid = torch.ones(len(rows), dtype=torch.bool, device=engine.device)
+        position = range(len(rows))
+    cols = engine.table_columns_for(max(slots[i].ctx for i in rows) + per_round)
+    bt = engine.block_table[index, :cols]
+    params = round_sampling(engine, rows, active, greedy)
+    generator = engine.generator if engine.graphs is None else None
+    costs = None
+    if spec is None:
+        def step(bt, ctx, root, valid, slots, params):
+            return plain_step(engine.decoder, engine.caches, bt, ctx, root, valid, params, generator, slots=slots)
+        args = {"bt": bt, "ctx": ctx, "root": engine.root[index], "valid": valid, "slots": index, "params": params}
+    else:
+        if engine.controller is not None:  # the round's shape and measured costs at its batch and context
+            spec, costs = engine.controller.plan(params, len(active), max(slots[i].ctx for i in rows))
+
+        def step(inp, slots, params, costs):  # costs: graph inputs (the table's row for this batch and context)
+            return speculate(engine.decoder, engine.runner, engine.caches, inp, spec, params, generator, slots=slots,
+                             costs=costs)
+        args = {"inp": DraftInputs(root=engine.root[index], normed=engine.normed[index],
+                                   feedback=engine.feedback[index], ctx_len=ctx, block_table=bt, row_valid=valid),
+                "slots": index, "params": params, "costs": costs}
+    kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
+    key = ("plain" if spec is None else "spec", len(active), spec, kind, cols, costs and (costs.plan, costs.flush))
+    out = step(**args) if engine.graphs is None else run_graph(engine, key, step, args)
+    store_round(engine, index, out)
+    synced = torch.cat([out.count[:, None], out.tokens], 1)
+    if out.plan is not None:  # the controller's plan rides on the same transfer (a padded last row)
+        synced = torch.cat([synced, torch.nn.functional.pad(out.plan, (0, synced.shape[1] - 2))[None]])
+    committed = synced.tolist()  # the round's one host sync
+    if engine.controller is not None:
+        engine.controller.after(costs, committed.pop() if out.plan is not None else None)
+    dt = time.perf_counter() - t0
+    for i, j in zip(rows, position):
+        count, *tokens = committed[j]
+        s = slots[i]
+        s.ctx += count
+        result = s.request.result
+        result.decode_s += dt
+        result.accept_lengths.append(sch.commit(i, tokens[:count]))  # a stop or the limit may cut the round
+
+
+def run_graph(engine, key, step, args: dict):
+    """``graphs.run``; a hybrid target's graph, and a controlled round's (its deferred drafter entries and the
+    calibration's evidence), are captured on idle inputs (every row invalid), so the warm-up runs commit no
+    state (``graphs.py``)."""
+    stateful = engine.caches.recurrent is not None or args.get("costs") is not None
+    return engine.graphs.run(key, step, args, capture_inputs=_all_rows_invalid if stateful else None)
+
+
+def _all_rows_invalid(args: dict) -> dict:
+    """A step's inputs with every row invalid: running it writes nothing (CUDA-graph warm-ups)."""
+    idle = dict(args)
+    if "valid" in idle:
+        idle["valid"] = torch.zeros_like(args["valid"])
+    else:
+        idle["inp"] = dataclasses.replace(args["inp"], row_valid=torch.zeros_like(args["inp"].row_valid))
+    return idle
