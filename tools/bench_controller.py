@@ -80,11 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_tree(text: str) -> SpecConfig:
+def parse_tree(text: str, flag: str = "--trees entry") -> SpecConfig:
     try:
         d, k, n = (int(x) for x in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"--trees entry {text!r} must read DEPTHxTOPKxNODES, e.g. 5x8x32") from None
+        raise ValueError(f"{flag} {text!r} must read DEPTHxTOPKxNODES, e.g. 5x8x32") from None
     spec = SpecConfig(shape="tree", depth=d, topk=k, num_nodes=n)
     spec.validate()
     return spec

@@ -321,7 +321,8 @@ controller)
   # CSTEP=smollm2 (default): the controller against the best fixed shape with the drafter of SERVE (its first
   # name=export; restore it first) or this lease's eagle4 run, trained and untrained (MT-Bench prompts), with the
   # graph-timed cost table it measures in-process; then, with the time left, torchspec-profile's table over two
-  # context buckets and its plot. CSTEP=pair: the controlled pair at CSHAPE (default qwen3-8b), drafters CNOISE
+  # context buckets and its plot; between them the timeline of plain / fixed / controller rounds at TLCONC (1 64:
+  # where the host waits, tools/controller_timeline.py). CSTEP=pair: the controlled pair at CSHAPE (default qwen3-8b), drafters CNOISE
   # (default 0.0,untrained). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request.
   if [ "${CSTEP:-smollm2}" = smollm2 ]; then
     join_target
@@ -330,6 +331,12 @@ controller)
       --cache-dir "$W/cache" --drafter "untrained=$drafter" --drafter "eagle4=$drafter" --prompt-set mtbench \
       --prompt-len 256 --max-new-tokens "${CNEW:-128}" --concurrency "${CCONC:-1,8,64}" \
       --out "$RES/controller_smollm2_h200.json" > "$RES/controller_smollm2.log" 2>&1; tail -n 8 "$RES/controller_smollm2.log"
+    for c in ${TLCONC:-1 64}; do  # where the host waits (tools/controller_timeline.py), on the table just measured
+      timeout $(( $(left) - ${PROFILE_S:-90} )) python3 tools/controller_timeline.py --target "$W/smollm2.gguf" \
+        --cache-dir "$W/cache" --drafter "eagle4=$drafter" --prompt-set mtbench --concurrency "$c" \
+        --costs "$RES/controller_smollm2_h200.costs.json" --out "$RES/controller_timeline_c$c.json" \
+        --plot "$RES/controller_timeline_c$c.png" > "$RES/timeline_c$c.log" 2>&1; grep mode= "$RES/timeline_c$c.log"
+    done
     timeout $(( $(left) - 5 )) python3 recipes/profile_costs.py --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
       --drafter "$drafter" --batches "${CCONC:-1,8,64}" --contexts 512,2048 --widths 1,8 --nodes 0,1,2,4,8,16,32 \
       --timing graph --out "$RES/costs_smollm2_h200.json" --plot "$RES/costs_smollm2_h200.png" \

@@ -205,6 +205,45 @@ def test_ahead_rounds_draft_what_the_round_before_planned(confident, plain, tiny
     assert max(d for d, _ in trace) >= 3 and max(w for _, w in trace) >= 4, trace
 
 
+def _probe_rounds(n: int) -> list[int]:
+    """The rounds of a width-0 plan that probe: the first, then streaks of PROBE_EVERY doubling to PROBE_MOST."""
+    from torchspec.runtime.controlled_drafting import PROBE_EVERY, PROBE_MOST
+
+    out, at, streak = [], 0, PROBE_EVERY
+    while at < n:
+        out.append(at)
+        at, streak = at + streak, min(2 * streak, PROBE_MOST)
+    return out
+
+
+def test_probe_streaks_double_while_width_0_and_reset_after_a_verifying_round(engine):
+    """An untrained drafter's probes: rounds 0, 8, 24, 56, 88, ... (streaks 8, 16, 32, 32); a plan that verifies
+    resets the streak, so the next width-0 plan probes at once and then after 8 rounds again."""
+    from torchspec.runtime.controlled_drafting import PLAIN_ROUND, PROBE_EVERY, PROBE_MOST, Controller
+    from torchspec.runtime.sampling import SamplingParams
+
+    ctl = Controller(table(engine, depth=0.05, verify_per_node=0.02), SPECS[0], Calibration(torch.device("cpu")))
+    greedy = SamplingParams()
+
+    def rounds(n: int, plan: list[int]) -> list[tuple[int, int]]:
+        got = []
+        for _ in range(n):
+            _, costs = ctl.plan(greedy, 2, 100)
+            got.append(costs.plan)
+            ctl.after(costs, plan if costs.plan != PLAIN_ROUND else None)  # a plain round writes no plan
+        return got
+
+    first = rounds(130, [1, 0])
+    assert [i for i, p in enumerate(first) if p != PLAIN_ROUND] == _probe_rounds(130) == [0, 8, 24, 56, 88, 120]
+    assert PROBE_MOST == 32 and PROBE_EVERY == 8
+    rounds(10 - 1, [1, 0])  # 130 .. 138: plain (the streak from 120 runs to 152)
+    assert rounds(1, [2, 3]) == [PLAIN_ROUND]  # the plan it asks for waits for the probe ...
+    ctl.next_plan = (2, 3)  # ... a verifying plan arrives (as a probe's would)
+    assert rounds(1, [1, 0]) == [(2, 3)]
+    again = rounds(20, [1, 0])
+    assert [i for i, p in enumerate(again) if p != PLAIN_ROUND] == [0, 8]  # short streaks again
+
+
 def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):
     """A table lookup is ~0.4 ms of host time, more than a third of a SmolLM2 step on an H200: the controller keeps
     each (shape, batch, 64 tokens of context) lookup's device tensors and every round reuses them."""
@@ -229,13 +268,13 @@ def test_width_0_streaks_run_plain_rounds_and_catch_the_drafter_up_at_the_probe(
     (depth 0, decided again) first and every PROBE_EVERY-th; the text is plain decoding's. Three plain rounds and
     the catch-up on their deferred entries leave the drafter's caches and state as three full rounds verifying
     nothing do (each catching the drafter up at once), and the target's caches alike."""
-    from torchspec.runtime.controlled_drafting import PLAIN_ROUND, PROBE_EVERY
+    from torchspec.runtime.controlled_drafting import PLAIN_ROUND
 
     dear = table(engine, depth=0.01, verify_per_node=50.0)
     out, trace = run(engine, tiny_tokenizer, 1, SPECS[0], dear, "ahead")
     assert [r.token_ids for r in out] == [r.token_ids for r in plain[1]]
     probes = [i for i, plan in enumerate(trace) if plan != PLAIN_ROUND]
-    assert probes == list(range(0, len(trace), PROBE_EVERY)) and all(trace[i] == (1, 0) for i in probes)
+    assert probes == [p for p in _probe_rounds(len(trace))] and all(trace[i] == (1, 0) for i in probes)
 
     from torchspec.runtime.controlled_drafting import RoundCosts
     from torchspec.runtime.cost_profile import _Rows
@@ -287,7 +326,8 @@ def test_width_0_streaks_run_plain_rounds_and_catch_the_drafter_up_at_the_probe(
         # the catch-up's padding wrote positions >= ctx (uncommitted, rewritten before any read): not compared
         from torchspec.runtime.paged_kv import slots_for_positions
 
-        beyond = slots_for_positions(rows.block_table, ctx[:, None] + torch.arange(8), engine.page_size).flatten()
+        beyond = slots_for_positions(rows.block_table, ctx[:, None] + torch.arange(engine.caches.pending.capacity),
+                                     engine.page_size).flatten()
         for got, want in zip(deferred, [*caches, normed, feedback]):
             if got.dim() == 4:
                 got, want = got.clone(), want.clone()

@@ -1,4 +1,4 @@
-"""A greedy round whose depth and verification width the draft controller chooses (host-chained).
+"""A greedy round whose depth and verification width the draft controller chooses (ahead: a round before, on the GPU).
 
 The fixed dynamic tree (``drafting.draft_dynamic_tree``) drafts ``spec.depth`` depths and verifies its
 ``spec.num_nodes`` best nodes whatever the drafter's confidence. Here the same tree is grown depth by
@@ -27,7 +27,8 @@ the committed tokens in the round's one sync: the host never waits inside a roun
 is a static round that CUDA graphs capture (one per (depth, width) and batch). A planned width 0 starts a
 plain streak: its first round (a probe) drafts depth 0 alone (the top-k of the drafter state the catch-up
 already computed), verifies the root only and decides again; the next ``PROBE_EVERY - 1`` run plain steps
-whose drafter entries are deferred (``steps.plain_step_deferring_drafter``, ``pending_drafter.py``) until the
+(twice as many after each probe that plans width 0 again, up to ``PROBE_MOST - 1``: an untrained drafter's
+probes cost ~1/32 of the rounds, not 1/8; any round that verifies resets the streak) whose drafter entries are deferred (``steps.plain_step_deferring_drafter``, ``pending_drafter.py``) until the
 next round that drafts catches up on them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the
 round, after every depth, on the host (one sync a depth): the same criterion on the round's own
 frontier, without CUDA graphs (``SpeculativeEngine(cuda_graphs=False)``). Device-chained per-depth graphs
@@ -73,7 +74,8 @@ from torchspec.runtime.tree import DraftTree
 
 MODES = ("ahead", "within")
 PLAIN_ROUND = (0, 0)  # ahead mode's plan for a round that drafts nothing (steps.plain_step_deferring_drafter)
-PROBE_EVERY = 8  # while the plan is width 0, the first round and every PROBE_EVERY-th after draft depth 0 and decide
+PROBE_EVERY = 8  # while the plan is width 0, the first round and the PROBE_EVERY-th after draft depth 0 and decide
+PROBE_MOST = 32  # ... the streak between probes doubling after each probe that plans width 0 again, up to this
 CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP tokens of context) and kept
 DENSE_WIDTHS = 8  # ahead mode verifies any width up to this; beyond it, only the node counts the table measured
 UNMEASURED_MS = 1e9  # the verify cost of a width beyond DENSE_WIDTHS the table did not measure (never chosen)
@@ -207,7 +209,8 @@ class Controller:
         self.sampled_depths: list[int] = []
         self.sampled_depth = min(INITIAL_SAMPLED_DEPTH, spec.depth)
         self.next_plan = (1, 0)  # ahead mode: a first greedy round drafts depth 0 and verifies nothing
-        self.plain_rounds = 0  # ahead mode: width-0 rounds since the last probe
+        self.plain_left = 0  # ahead mode: plain rounds left before the next probe while the plan is width 0
+        self.streak = PROBE_EVERY  # ... the rounds from the next probe to the one after it (doubling to PROBE_MOST)
         self.deferred = False  # plain rounds ran whose drafter entries no round has caught up on yet
         self._costs: dict[tuple, RoundCosts] = {}  # looked up on the device once (a lookup is ~0.4 ms of host time)
 
@@ -237,9 +240,9 @@ class Controller:
             depth = min(self.next_plan[0], base.depth)
             fits = min(self.next_plan[1], base.proposed(depth), base.num_drafted(params))
             width = max(n for n in [*range(DENSE_WIDTHS + 1), *self.table.nodes] if n <= fits)  # an allowed width
-            self.plain_rounds = self.plain_rounds + 1 if width == 0 else 0
-            probe = self.plain_rounds % PROBE_EVERY == 1  # the first width-0 round of a streak, then every 8th
-            costs.plan = PLAIN_ROUND if width == 0 and not probe else (depth, width)
+            if width > 0:  # a verifying round: a later width-0 plan starts over with a probe and short streaks
+                self.plain_left, self.streak = 0, PROBE_EVERY
+            costs.plan = (depth, width) if width > 0 or self._probes() else PLAIN_ROUND
             self._flush_if_deferred(costs)
             self.trace.append(costs.plan)
             return dataclasses.replace(base, depth=max(costs.plan[0], 1), num_nodes=max(width, 1)), costs
@@ -249,6 +252,15 @@ class Controller:
             self._flush_if_deferred(costs)
             return dataclasses.replace(self.spec, depth=self.sampled_depth), costs
         return self.spec, None
+
+    def _probes(self) -> bool:
+        """Whether a width-0 round probes (drafts depth 0 and decides again) or runs plainly; a probe starts the
+        next streak, twice as long as the last, up to ``PROBE_MOST`` (module docstring)."""
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            return False
+        self.plain_left, self.streak = self.streak - 1, min(2 * self.streak, PROBE_MOST)
+        return True
 
     def _flush_if_deferred(self, costs: RoundCosts) -> None:
         """A plain round defers its drafter entry; the next round that drafts catches up on all of them first."""
@@ -348,5 +360,5 @@ def next_depth_after_sampled(tree: DraftTree, depth: int, costs: RoundCosts, row
     return torch.stack([next_depth, torch.zeros_like(next_depth)])
 
 
-__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "Calibration", "Controller", "RoundCosts", "check_table_for", "draft_ahead_tree",
+__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "Calibration", "Controller", "RoundCosts", "check_table_for", "draft_ahead_tree",
            "draft_controlled_tree", "next_depth_after_sampled", "sampled_go_flags"]

@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from torchspec.runtime.controlled_drafting import PROBE_EVERY, Calibration, Controller
+from torchspec.runtime.controlled_drafting import PROBE_MOST, Calibration, Controller
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import SpecConfig
@@ -82,7 +82,7 @@ class SpeculativeEngine:
         self.device = dev
         drafter_cache = runner.make_kv_cache(num_pages, page_size) if runner is not None else None
         pending = None if runner is None else PendingDrafter(  # the controller's plain rounds defer drafter entries
-            max_batch, PROBE_EVERY - 1, len(runner.config.aux_layer_ids), decoder.hidden_size,
+            max_batch, PROBE_MOST - 1, len(runner.config.aux_layer_ids), decoder.hidden_size,
             decoder.embed_tokens_weight.dtype, decoder.embed_tokens_weight.device)
         self.caches = Caches(PagedKVCache.for_target(decoder, num_pages, page_size), drafter_cache, page_size,
                              RecurrentState.for_target(decoder, max_batch), pending)

@@ -40,8 +40,7 @@ class PendingDrafter:
         rows write where their next entry would go and count nothing."""
         at = self.count[slots].clamp(max=self.capacity - 1)  # the controller probes before a streak outgrows it
         self.tokens[slots, at] = tokens
-        for i, states in enumerate(aux):
-            self.aux[i, slots, at] = states[:, 0].to(self.aux.dtype)
+        self.aux[:, slots, at] = torch.stack([states[:, 0] for states in aux]).to(self.aux.dtype)  # one write
         self.count[slots] = self.count[slots] + row_valid.long()
 
     def take(self, slots: torch.Tensor, row_valid: torch.Tensor

@@ -1,0 +1,71 @@
+"""`tools/controller_timeline.py`: the per-round trace analysis on hand-built traces (a wait inside a round
+is caught, the ahead design's one sync after the launch is not), and the tool end to end on CPU (the tiny
+controlled pair, a hand-built cost table): rows, JSON, the figure. CPU traces hold no CUDA activity, so no
+timing or sync count is asserted there."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cost_tables import linear_table
+from tests.tool_loader import load_tool
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return load_tool("controller_timeline")
+
+
+def _x(cat, name, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def _round(t0, mid_sync: bool):
+    """A round at ``t0`` (us): launch, [a sync, a second launch,] the end-of-round sync; its kernels."""
+    ev = [_x("user_annotation", "decode_round", t0, 100), _x("cuda_runtime", "cudaGraphLaunch", t0 + 10, 5)]
+    if mid_sync:
+        ev += [_x("cuda_runtime", "cudaStreamSynchronize", t0 + 20, 20), _x("cuda_runtime", "cudaGraphLaunch", t0 + 45, 5)]
+    ev += [_x("cuda_runtime", "cudaMemcpyAsync", t0 + 55, 2), _x("cuda_runtime", "cudaStreamSynchronize", t0 + 60, 30),
+           _x("kernel", "gemm", t0 + 12, 40), _x("kernel", "argmax", t0 + 50, 30), _x("gpu_memcpy", "DtoH", t0 + 85, 2)]
+    return ev
+
+
+def test_round_stats_count_waits_inside_and_at_the_end(tool):
+    ahead = tool.round_stats(_round(0, False) + _round(200, False))
+    assert [r["launches"] for r in ahead] == [1, 1] and [r["syncs"] for r in ahead] == [1, 1]
+    assert sum(r["syncs_before_last_launch"] for r in ahead) == 0  # the one sync follows the one launch
+    assert ahead[0]["host_wait_ms"] == pytest.approx(0.030)
+    assert ahead[0]["gpu_ms"] == pytest.approx(0.070)  # kernels 12..52 and 50..80 overlap, then 85..87: 68 + 2 us
+    assert ahead[0]["gap_ms"] == pytest.approx((212 - 87) / 1e3) and ahead[1]["gap_ms"] is None
+    chained = tool.round_stats(_round(0, True) + _round(200, True))  # positive control: a host-chained round
+    assert [r["syncs_before_last_launch"] for r in chained] == [1, 1] and chained[0]["host_wait_ms"] == pytest.approx(0.05)
+    row = tool.summarize("chained", chained)
+    assert row["syncs_before_last_launch"] == 2 and row["syncs_per_round"] == 2 and row["launches_per_round"] == 2
+
+
+def test_the_tool_on_cpu_writes_rows_and_the_figure(tool, tmp_path):
+    base = ["--shape", "tiny", "--device", "cpu", "--concurrency", "2", "--tree", "3x2x4", "--prompt-len", "8",
+            "--max-new-tokens", "10"]
+    args = tool.build_parser().parse_args([*base, "--out", str(tmp_path / "unused.json")])
+    args.controller_mode = "ahead"
+    _, engine = next(tool.engines(args, {"noise": ["0.0"]}, 2, 64))
+    costs = tmp_path / "costs.json"
+    linear_table(engine, 0.02, 0.1, widths=[1, 2], nodes=list(range(5))).save(costs)
+    out, png = tmp_path / "timeline.json", tmp_path / "timeline.png"
+    result = tool.main([*base, "--costs", str(costs), "--out", str(out), "--plot", str(png)])
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == result["rows"] and [r["mode"] for r in saved["rows"]] == ["plain", "fixed tree3x2x4", "controller"]
+    for r in saved["rows"]:
+        assert set(tool.FIELDS) <= set(r) and r["rounds"] >= 1 and r["round_ms"] > 0
+    assert saved["rows"][0]["rounds"] >= saved["rows"][1]["rounds"]  # a plain step a token; the tree commits more
+    assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_input_is_one_line(tool, tmp_path, capsys):
+    with pytest.raises(SystemExit) as err:
+        tool.main(["--shape", "tiny", "--device", "cpu", "--tree", "3x2", "--out", str(tmp_path / "x.json")])
+    assert err.value.code == 2 and "--tree '3x2'" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
