@@ -6,7 +6,8 @@ decode round (``engine_forwards.decode_round``) wrapped in a ``decode_round`` an
 every round gets: its launches (``cudaGraphLaunch`` / kernel launches), its host syncs
 (``cudaStreamSynchronize`` and the like) and how long the host sat in them, the GPU time of the kernels it
 started, and the GPU's idle gap from the round's last kernel to the next round's first (the time from the
-end of a round to the next: the host's bookkeeping and the controller's plan lookup). A sync that comes
+end of a round to the next: the host's bookkeeping and the controller's plan lookup). Rounds that captured a
+CUDA graph (a shape first seen) are counted apart and left out of the medians. A sync that comes
 before the round's last launch is a wait *inside* the round (the host-chained design reads a score after
 every depth); the controller's ahead mode should show none: one sync a round, after its one launch,
 which carries the committed tokens and the next round's plan.
@@ -47,8 +48,9 @@ from torchspec.runtime.drafting import SpecConfig  # noqa: E402
 ROUND = "decode_round"  # the annotation around each decode round
 LAUNCH = ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cuStreamSynchronize")
+CAPTURE = ("cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaGraphInstantiate")  # a round that captured a graph
 GPU = ("kernel", "gpu_memcpy", "gpu_memset")
-FIELDS = ("rounds", "launches_per_round", "syncs_per_round", "syncs_before_last_launch", "host_wait_ms", "gpu_ms",
+FIELDS = ("rounds", "captured_rounds", "launches_per_round", "syncs_per_round", "syncs_before_last_launch", "host_wait_ms", "gpu_ms",
           "gap_ms", "round_ms")
 
 
@@ -111,6 +113,7 @@ def round_stats(events: list[dict]) -> list[dict]:
         syncs = [e for e in mine if e["name"] in SYNC]
         kernels = [k for k in gpu if start <= k[0] < upto]
         out.append({"launches": len(launches), "syncs": len(syncs),
+                    "captured": any(e["name"].startswith(CAPTURE) for e in mine),
                     "syncs_before_last_launch": sum(s["ts"] < max(launches) for s in syncs) if launches else 0,
                     "host_wait_ms": sum(s["dur"] for s in syncs) / 1e3, "gpu_ms": _union_ms(kernels),
                     "round_ms": r["dur"] / 1e3, "start": start, "end": end, "kernels": kernels,
@@ -123,11 +126,16 @@ def round_stats(events: list[dict]) -> list[dict]:
 
 
 def summarize(mode: str, rounds: list[dict]) -> dict:
-    """One table row: medians over the rounds (``syncs_before_last_launch``: the total, which must be 0)."""
+    """One table row: medians over the rounds that replayed graphs (a round that captured one, a shape first
+    seen, syncs while capturing: counted in ``captured_rounds`` only); ``syncs_before_last_launch``: the total,
+    which must be 0."""
+    captured = sum(r["captured"] for r in rounds)
+    rounds = [r for r in rounds if not r["captured"]]
+
     def med(key):
         values = [r[key] for r in rounds if r.get(key) is not None]
         return statistics.median(values) if values else None
-    return {"mode": mode, "rounds": len(rounds), "launches_per_round": med("launches"), "syncs_per_round": med("syncs"),
+    return {"mode": mode, "rounds": len(rounds), "captured_rounds": captured, "launches_per_round": med("launches"), "syncs_per_round": med("syncs"),
             "syncs_before_last_launch": sum(r["syncs_before_last_launch"] for r in rounds),
             "host_wait_ms": med("host_wait_ms"), "gpu_ms": med("gpu_ms"), "gap_ms": med("gap_ms"),
             "round_ms": med("round_ms")}

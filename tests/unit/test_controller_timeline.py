@@ -45,6 +45,9 @@ def test_round_stats_count_waits_inside_and_at_the_end(tool):
     assert [r["syncs_before_last_launch"] for r in chained] == [1, 1] and chained[0]["host_wait_ms"] == pytest.approx(0.05)
     row = tool.summarize("chained", chained)
     assert row["syncs_before_last_launch"] == 2 and row["syncs_per_round"] == 2 and row["launches_per_round"] == 2
+    capturing = _round(400, True) + [_x("cuda_runtime", "cudaStreamBeginCapture", 420, 1)]  # a shape first seen
+    row = tool.summarize("ahead", tool.round_stats(_round(0, False) + _round(200, False) + capturing))
+    assert row["rounds"] == 2 and row["captured_rounds"] == 1 and row["syncs_before_last_launch"] == 0
 
 
 def test_the_tool_on_cpu_writes_rows_and_the_figure(tool, tmp_path):
