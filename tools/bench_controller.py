@@ -19,7 +19,8 @@ graph-timed; ``within`` decides after every depth on the host, so every run goes
 table is eager-timed (``"cuda_graphs"`` in the JSON says which): compare rows of one file. Rows (``--out``,
 JSON, atomic, rewritten after each row) hold ``drafter, target, mode, concurrency, temperature, speedup,
 acceptance``, the best fixed shape and its speedup beside the controller's, the controller's (depth, width)
-decisions, and the same controller drafting a chain (k = 1); ``chain_from_batch`` per drafter is the
+decisions, the graphs its timed runs still had to capture (planned shapes the warm-up runs never saw: each
+capture is in the timing), and the same controller drafting a chain (k = 1); ``chain_from_batch`` per drafter is the
 concurrency from which the chain wins (the engine's ``chain_from_batch``: the table the issue asks to
 measure per setup).
 
@@ -49,6 +50,7 @@ from torchspec.runtime.drafting import SpecConfig  # noqa: E402
 from torchspec.runtime.sampling import SamplingParams  # noqa: E402
 
 UNTRAINED_NOISE = 50.0  # eh_proj noise that leaves the controlled drafter agreeing with nothing
+WARM_RUNS = 4  # whole controller runs before timing, at most: until one captures no new graph (a planned shape)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,9 +201,13 @@ def bench(args) -> dict:
                           max_new=args.max_new_tokens, seed=args.seed, concurrency=c)
             for spec in [None, *shapes]:  # compiles, captures the graphs
                 engine.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c)
-            for spec in (controlled, chain):  # the graphs of its plans
-                if engine.graphs is not None:
+            for spec in (controlled, chain):  # the graphs of its plans: whole runs until a run captures none new
+                for _ in range(WARM_RUNS if engine.graphs is not None else 0):
+                    before = len(engine.graphs)
                     run(spec=spec, controller=table, controller_mode=mode)
+                    if len(engine.graphs) == before:
+                        break
+            graphs_before = len(engine.graphs) if engine.graphs is not None else 0
             plain = run(spec=None)
             fixed = {_label(s): run(spec=s) for s in shapes}
             best = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
@@ -223,6 +229,8 @@ def bench(args) -> dict:
                          "chain_controller_speedup": paired_chain["speedup"],
                          "chain_controller_acceptance": paired_chain["spec"]["mean_acceptance"],
                          "chain_decisions": [[d, w, n] for (d, w), n in sorted(chain_decisions.items())],
+                         "graphs_captured_while_timed": (len(engine.graphs) - graphs_before
+                                                         if engine.graphs is not None else 0),
                          "sweep": {k: {"speedup": v["tokens_per_s"] / plain["tokens_per_s"],
                                        "acceptance": v["mean_acceptance"]} for k, v in fixed.items()}})
             print(format_row(rows[-1]), flush=True)
@@ -258,7 +266,8 @@ def _label(spec: SpecConfig) -> str:
 def format_row(r: dict) -> str:
     return (f"{r['drafter']:<22} c={r['concurrency']:<3} controller x{r['speedup']:.2f} (acceptance "
             f"{r['acceptance']:.2f}), as a chain x{r['chain_controller_speedup']:.2f}  best fixed {r['best_fixed']} "
-            f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}")
+            f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}  graphs captured while timed "
+            f"{r['graphs_captured_while_timed']}")
 
 
 def write(path: str, out: dict) -> None:
