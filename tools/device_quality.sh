@@ -323,7 +323,8 @@ controller)
   # graph-timed cost table it measures in-process; then, with the time left, torchspec-profile's table over two
   # context buckets and its plot; between them the timeline of plain / fixed / controller rounds at TLCONC (1 64:
   # where the host waits, tools/controller_timeline.py). CSTEP=pair: the controlled pair at CSHAPE (default qwen3-8b), drafters CNOISE
-  # (default 0.0,untrained). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request.
+  # (default 0.0,untrained; CNUM prompts a timed run, 8; a shorter sweep, CCHAINS 1,3,5 and CTREES: an 8B step is
+  # ~7x SmolLM2's). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request.
   if [ "${CSTEP:-smollm2}" = smollm2 ]; then
     join_target
     drafter=${SERVE:-}; drafter=${drafter%% *}; drafter=${drafter#*=}; [ -n "$drafter" ] || drafter=$(export_step eagle4)
@@ -344,6 +345,7 @@ controller)
   else
     timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --shape "${CSHAPE:-qwen3-8b}" \
       --noise "${CNOISE:-0.0,untrained}" --max-new-tokens "${CNEW:-64}" --concurrency "${CCONC:-1,8,64}" \
+      --num-prompts "${CNUM:-8}" --chains "${CCHAINS:-1,3,5}" --trees "${CTREES:-3x4x8,4x4x16,5x8x32}" \
       --out "$RES/controller_${CSHAPE:-qwen3-8b}_h200.json" > "$RES/controller_pair.log" 2>&1
     tail -n 10 "$RES/controller_pair.log"
   fi
