@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from torchspec.runtime import engine_forwards as forwards_module  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig  # noqa: E402
 
-FORWARDS = ("prefill", "plain_step", "speculate")  # the step functions engine_forwards.py calls, by name
+FORWARDS = ("prefill", "plain_step", "plain_step_deferring_drafter", "speculate")  # the step functions engine_forwards.py calls, by name
 MODES = {"plain": None, "chain": SpecConfig(shape="chain", depth=4),
          "tree": SpecConfig(shape="tree", depth=4, topk=4, num_nodes=16)}
 

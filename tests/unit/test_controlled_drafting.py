@@ -253,6 +253,7 @@ def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):
     costs = table(engine, depth=0.05, verify_per_node=0.02, noise=0.5)
     ctl = Controller(costs, SPECS[0], Calibration(torch.device("cpu")))
     greedy = SamplingParams()
+    ctl.next_plan = (1, 2)  # verifying rounds (a plain round looks nothing up)
     _, a = ctl.plan(greedy, 2, 3 * CTX_STEP + 1)
     _, b = ctl.plan(greedy, 2, 4 * CTX_STEP - 1)
     _, c = ctl.plan(greedy, 2, 4 * CTX_STEP)
@@ -260,7 +261,12 @@ def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):
     assert c.depth_ms is not a.depth_ms
     want = RoundCosts.lookup(costs, SPECS[0], 2, 3 * CTX_STEP, ctl.calibration, measured_only=True)
     assert torch.equal(a.depth_ms, want.depth_ms) and torch.equal(a.verify_ms, want.verify_ms)
-    assert ctl.trace == [(1, 0), PLAIN_ROUND, PLAIN_ROUND] and a.trace is ctl.trace  # no plan came back: a streak
+    assert ctl.trace == [(1, 2)] * 3 and a.trace is ctl.trace
+    ctl.next_plan = (1, 0)  # width 0: a probe looks up, then a plain round does not
+    _, probe = ctl.plan(greedy, 2, 3 * CTX_STEP)
+    _, plain = ctl.plan(greedy, 2, 3 * CTX_STEP)
+    assert probe.depth_ms is a.depth_ms and plain.plan == PLAIN_ROUND and plain.depth_ms.numel() == 0
+    assert ctl.trace[-2:] == [(1, 0), PLAIN_ROUND]
 
 
 def test_width_0_streaks_run_plain_rounds_and_catch_the_drafter_up_at_the_probe(engine, plain, tiny_tokenizer):

@@ -70,6 +70,7 @@ from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, TreePool, grow_dynamic_tree
 from torchspec.runtime.paged_kv import PagedKVCache
 from torchspec.runtime.sampling import SamplingParams
+from torchspec.runtime.scheduler import host_to_device
 from torchspec.runtime.tree import DraftTree
 
 MODES = ("ahead", "within")
@@ -142,12 +143,13 @@ class RoundCosts:
         wide = table.depth_ms(batch, ctx)[table.widths.index(k)]  # [len(table.widths)] -> k's
         device = calibration.accepted.device
         verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1]
-        depth_ms = torch.cat([_round_extra(table, batch, ctx, verify_ms)[None], wide.expand(spec.depth - 1)]).to(device)
+        depth_ms = torch.cat([_round_extra(table, batch, ctx, verify_ms)[None], wide.expand(spec.depth - 1)])
         if measured_only:
             measured = torch.arange(verify_ms.shape[0]) <= DENSE_WIDTHS
             measured[[n for n in table.nodes if n < verify_ms.shape[0]]] = True
             verify_ms = torch.where(measured, verify_ms, UNMEASURED_MS)
-        return cls(depth_ms, verify_ms.to(device), calibration, [] if trace is None else trace)
+        return cls(host_to_device(depth_ms, depth_ms.dtype, device), host_to_device(verify_ms, verify_ms.dtype, device),
+                   calibration, [] if trace is None else trace)
 
     @classmethod
     def lookup_sampled(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, calibration: Calibration
@@ -165,7 +167,9 @@ class RoundCosts:
             fits = [i for i, w in enumerate(table.widths) if w >= front]
             levels.append(depth_row[fits[0] if fits else -1])
             front *= widths[d]
-        return cls(torch.stack(levels).to(device), verify_ms.to(device), calibration, max_sampled_depth=spec.depth)
+        depth_ms = torch.stack(levels)
+        return cls(host_to_device(depth_ms, depth_ms.dtype, device), host_to_device(verify_ms, verify_ms.dtype, device),
+                   calibration, max_sampled_depth=spec.depth)
 
 
 def _round_extra(table: CostTable, batch: int, ctx: int, verify_ms: torch.Tensor) -> torch.Tensor:
@@ -213,6 +217,10 @@ class Controller:
         self.streak = PROBE_EVERY  # ... the rounds from the next probe to the one after it (doubling to PROBE_MOST)
         self.deferred = False  # plain rounds ran whose drafter entries no round has caught up on yet
         self._costs: dict[tuple, RoundCosts] = {}  # looked up on the device once (a lookup is ~0.4 ms of host time)
+        self._shapes: dict[tuple, SpecConfig] = {}  # ahead mode: each planned (shape, depth, width) built once
+        self._widths = sorted({*range(DENSE_WIDTHS + 1), *table.nodes})  # the widths ahead mode may verify
+        empty = torch.zeros(0, device=calibration.accepted.device)  # a plain round reads no cost
+        self._plain = RoundCosts(empty, empty, calibration, self.trace, plan=PLAIN_ROUND)
 
     def _lookup(self, spec: SpecConfig, batch: int, ctx: int, sampled: bool) -> RoundCosts:
         """``RoundCosts.lookup`` (``lookup_sampled``) at ``ctx`` rounded down to ``CTX_STEP``, kept per key: each
@@ -234,18 +242,26 @@ class Controller:
         if params.greedy:
             chain = self.chain_from_batch is not None and batch >= self.chain_from_batch
             base = self.chain if chain else self.spec
-            costs = self._lookup(base, batch, ctx, sampled=False)
             if self.mode == "within":
-                return base, costs
+                return base, self._lookup(base, batch, ctx, sampled=False)
             depth = min(self.next_plan[0], base.depth)
             fits = min(self.next_plan[1], base.proposed(depth), base.num_drafted(params))
-            width = max(n for n in [*range(DENSE_WIDTHS + 1), *self.table.nodes] if n <= fits)  # an allowed width
+            width = max(n for n in self._widths if n <= fits)  # an allowed width
             if width > 0:  # a verifying round: a later width-0 plan starts over with a probe and short streaks
                 self.plain_left, self.streak = 0, PROBE_EVERY
-            costs.plan = (depth, width) if width > 0 or self._probes() else PLAIN_ROUND
+            elif not self._probes():  # a plain round: no lookup, no shape (engine_forwards runs a plain step)
+                self.deferred = True
+                self.trace.append(PLAIN_ROUND)
+                return base, self._plain
+            costs = self._lookup(base, batch, ctx, sampled=False)
+            costs.plan = (depth, width)
             self._flush_if_deferred(costs)
             self.trace.append(costs.plan)
-            return dataclasses.replace(base, depth=max(costs.plan[0], 1), num_nodes=max(width, 1)), costs
+            shape = self._shapes.get((base.shape, depth, width))
+            if shape is None:
+                shape = self._shapes[base.shape, depth, width] = dataclasses.replace(base, depth=max(depth, 1),
+                                                                                     num_nodes=max(width, 1))
+            return shape, costs
         if self.spec.sampled(params):
             self.sampled_depths.append(self.sampled_depth)
             costs = self._lookup(self.spec, batch, ctx, sampled=True)

@@ -15,10 +15,11 @@ import time
 
 import torch
 
+from torchspec.runtime.controlled_drafting import PLAIN_ROUND
 from torchspec.runtime.drafting import DraftInputs
 from torchspec.runtime.sampling import RowSampling, SamplingParams
 from torchspec.runtime.scheduler import host_to_device
-from torchspec.runtime.steps import plain_step, prefill, speculate
+from torchspec.runtime.steps import plain_step, plain_step_deferring_drafter, prefill, speculate
 
 GREEDY = SamplingParams()
 
@@ -106,23 +107,29 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
     params = round_sampling(engine, rows, active, greedy)
     generator = engine.generator if engine.graphs is None else None
     costs = None
-    if spec is None:
+    if spec is not None and engine.controller is not None:  # the round's shape and costs at its batch and context
+        spec, costs = engine.controller.plan(params, len(active), max(slots[i].ctx for i in rows))
+    deferring = costs is not None and costs.plan == PLAIN_ROUND  # a controller's plain round: a plain step's inputs
+    if spec is None or deferring:
         def step(bt, ctx, root, valid, slots, params):
+            if deferring:  # the drafter's entry waits for the next round that drafts (pending_drafter.py)
+                return plain_step_deferring_drafter(engine.decoder, engine.runner, engine.caches, bt, ctx, root, valid,
+                                                    slots)
             return plain_step(engine.decoder, engine.caches, bt, ctx, root, valid, params, generator, slots=slots)
         args = {"bt": bt, "ctx": ctx, "root": engine.root[index], "valid": valid, "slots": index, "params": params}
+        name, spec, costs = ("plain-deferring" if deferring else "plain"), None, None
     else:
-        if engine.controller is not None:  # the round's shape and measured costs at its batch and context
-            spec, costs = engine.controller.plan(params, len(active), max(slots[i].ctx for i in rows))
-
         def step(inp, slots, params, costs):  # costs: graph inputs (the table's row for this batch and context)
             return speculate(engine.decoder, engine.runner, engine.caches, inp, spec, params, generator, slots=slots,
                              costs=costs)
         args = {"inp": DraftInputs(root=engine.root[index], normed=engine.normed[index],
                                    feedback=engine.feedback[index], ctx_len=ctx, block_table=bt, row_valid=valid),
                 "slots": index, "params": params, "costs": costs}
+        name = "spec"
     kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
-    key = ("plain" if spec is None else "spec", len(active), spec, kind, cols, costs and (costs.plan, costs.flush))
-    out = step(**args) if engine.graphs is None else run_graph(engine, key, step, args)
+    key = (name, len(active), spec, kind, cols, costs and (costs.plan, costs.flush))
+    stateful = deferring or costs is not None  # deferred drafter entries, the calibration's evidence
+    out = step(**args) if engine.graphs is None else run_graph(engine, key, step, args, stateful)
     store_round(engine, index, out)
     synced = torch.cat([out.count[:, None], out.tokens], 1)
     if out.plan is not None:  # the controller's plan rides on the same transfer (a padded last row)
@@ -140,12 +147,12 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
         result.accept_lengths.append(sch.commit(i, tokens[:count]))  # a stop or the limit may cut the round
 
 
-def run_graph(engine, key, step, args: dict):
-    """``graphs.run``; a hybrid target's graph, and a controlled round's (its deferred drafter entries and the
-    calibration's evidence), are captured on idle inputs (every row invalid), so the warm-up runs commit no
-    state (``graphs.py``)."""
-    stateful = engine.caches.recurrent is not None or args.get("costs") is not None
-    return engine.graphs.run(key, step, args, capture_inputs=_all_rows_invalid if stateful else None)
+def run_graph(engine, key, step, args: dict, stateful: bool):
+    """``graphs.run``; a hybrid target's graph, and a ``stateful`` round's (a controller's: its deferred drafter
+    entries, the calibration's evidence), are captured on idle inputs (every row invalid), so the warm-up runs
+    commit no state (``graphs.py``)."""
+    idle = stateful or engine.caches.recurrent is not None
+    return engine.graphs.run(key, step, args, capture_inputs=_all_rows_invalid if idle else None)
 
 
 def _all_rows_invalid(args: dict) -> dict:

@@ -223,9 +223,9 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
     with ``costs`` a greedy round's depth and width are the draft controller's (``controlled_drafting``), and
     the output carries its plan for the next round (ahead mode; sampled rounds: the next one's depth)."""
     plan = None
-    if costs is not None and params.greedy and costs.plan == PLAIN_ROUND:
-        return plain_step_deferring_drafter(decoder, runner, caches, inp.block_table, inp.ctx_len, inp.root,
-                                            inp.row_valid, slots)
+    if costs is not None and costs.plan == PLAIN_ROUND:
+        raise ValueError("a controller's plain round is a plain step (plain_step_deferring_drafter), not a speculation "
+                         "round; engine_forwards.decode_round dispatches it.")
     if costs is not None and costs.flush:  # the first round drafting after plain rounds catches the drafter up
         inp = catch_up_pending(runner, caches, inp, torch.arange(inp.root.shape[0], device=inp.root.device)
                                if slots is None else slots)
