@@ -43,15 +43,15 @@ def engine_of(pair, cuda_graphs: bool = False):
                        cuda_graphs=cuda_graphs)
 
 
-def decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, scale):
+def decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, scale, ahead=False):
     """((width, stop, go, expected tokens) on CUDA, the same from the reference on the host)."""
     scale_t = None if scale is None else torch.tensor(scale, device=CUDA)
     got = decide_after_depth(pool.to(CUDA), front.to(CUDA), edge.to(CUDA), depth, depth_ms.to(CUDA),
-                             verify_ms.to(CUDA), valid.to(CUDA), scale_t)
-    width = verify_width(pool.to(CUDA), depth, depth_ms.to(CUDA), verify_ms.to(CUDA), valid.to(CUDA), scale_t)
+                             verify_ms.to(CUDA), valid.to(CUDA), scale_t, ahead=ahead)
+    width = verify_width(pool.to(CUDA), depth, depth_ms.to(CUDA), verify_ms.to(CUDA), valid.to(CUDA), scale_t, ahead)
     tokens = expected_tokens(pool.to(CUDA), verify_ms.shape[0] - 1, valid.to(CUDA), scale_t)
     want = reference_decide_after_depth(pool.tolist(), front.tolist(), edge.tolist(), depth, depth_ms.tolist(),
-                                        verify_ms.tolist(), valid.tolist(), scale)
+                                        verify_ms.tolist(), valid.tolist(), scale, ahead)
     want_tokens = reference_expected_tokens(pool.tolist(), verify_ms.shape[0] - 1, valid.tolist(), scale)
     assert int(width) == want[0]
     return (int(got.width), bool(got.stop), bool(got.go), tokens.tolist()), (*want, want_tokens)
@@ -72,7 +72,8 @@ def test_random_rounds_decide_on_the_gpu_like_the_reference():
         verify_ms = 1 + torch.cumsum(torch.rand(n_max + 1, generator=gen) * 0.3, 0)
         valid = torch.rand(rows, generator=gen) < 0.9
         scale = None if i % 2 else int(torch.randint(0, 2 * 65536, (1,), generator=gen))
-        got, want = decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, scale)
+        got, want = decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, scale,
+                                                ahead=i % 4 < 2)
         assert got == want, (i, rows, k, depth, n_max)
         seen.add(got[2])
     assert seen == {True, False}

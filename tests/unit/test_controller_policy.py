@@ -55,13 +55,14 @@ def linear_costs(d_max: int, n_max: int, depth: float, plain: float, per_node: f
     return torch.full((d_max,), depth), plain + per_node * torch.arange(n_max + 1, dtype=torch.float32)
 
 
-def both(pool, front, edge, depth, depth_ms, verify_ms, row_valid=None, scale=None) -> tuple[tuple, tuple]:
+def both(pool, front, edge, depth, depth_ms, verify_ms, row_valid=None, scale=None, ahead=False
+         ) -> tuple[tuple, tuple]:
     """(tensor decision, reference decision) as (width, stop, go) Python values."""
     valid = torch.ones(pool.shape[0], dtype=torch.bool) if row_valid is None else row_valid
     got = decide_after_depth(pool, front, edge, depth, depth_ms, verify_ms, valid,
-                             None if scale is None else torch.tensor(scale))
+                             None if scale is None else torch.tensor(scale), ahead=ahead)
     want = reference_decide_after_depth(pool.tolist(), front.tolist(), edge.tolist(), depth, depth_ms.tolist(),
-                                        verify_ms.tolist(), valid.tolist(), scale)
+                                        verify_ms.tolist(), valid.tolist(), scale, ahead=ahead)
     return (int(got.width), bool(got.stop), bool(got.go)), want
 
 
@@ -79,15 +80,34 @@ def test_random_rounds_decide_like_the_reference():
         verify_ms = 1 + torch.cumsum(torch.rand(n_max + 1, generator=gen) * 0.3, 0)
         valid = torch.rand(rows, generator=gen) < 0.85
         scale = None if _ % 2 else int(torch.randint(0, 2 * SCALE_ONE, (1,), generator=gen))  # calibrated half
-        got, want = both(pool, front, edge, depth, depth_ms, verify_ms, valid, scale)
+        ahead = _ % 4 < 2  # planned for the next round in half of them
+        got, want = both(pool, front, edge, depth, depth_ms, verify_ms, valid, scale, ahead)
         assert got == want, (rows, k, depth, d_max, n_max, sharpness)
         scale_t = None if scale is None else torch.tensor(scale)
         tokens = expected_tokens(pool, n_max, valid, scale_t)
         assert tokens.tolist() == reference_expected_tokens(pool.tolist(), n_max, valid.tolist(), scale)
-        assert int(verify_width(pool, depth, depth_ms, verify_ms, valid, scale_t)) == got[0]
+        assert int(verify_width(pool, depth, depth_ms, verify_ms, valid, scale_t, ahead)) == got[0]
         seen_go.add(got[2])
         widths.add(got[0])
     assert seen_go == {True, False} and len(widths) > 10  # the random rounds exercise every decision
+
+
+def test_planned_ahead_width_0_is_a_plain_round():
+    """Decided inside a round, the drafted depths are spent whatever the width; planned for the next round, width 0
+    drafts nothing. With the H200 costs of SmolLM2 at batch 8 (a width-0 round 0.37 ms above a 1.03 ms plain step,
+    one node 0.025 ms more) a barely confident drafter (top-1 at 5%) is worth one node only once its depth is spent."""
+    rows, k = 8, 8
+    pool = torch.full((rows, k), math.log(0.05 / k))
+    pool[:, 0] = math.log(0.05)
+    depth_ms, verify_ms = torch.tensor([0.374, 0.1825]), torch.tensor([1.026, 1.051, 1.046, 1.086])
+    within, want = both(pool, pool, pool, 0, depth_ms, verify_ms)
+    assert within == want and within[0] >= 1  # the round's depth 0 is spent: a node or two pay
+    planned, want = both(pool, pool, pool, 0, depth_ms, verify_ms, ahead=True)
+    assert planned == want and planned[0] == 0 and not planned[2]  # the next round: decode plainly
+    sure = torch.full((rows, k), math.log(0.9 / k))
+    sure[:, 0] = math.log(0.9)
+    confident, want = both(sure, sure, sure, 0, depth_ms, verify_ms, ahead=True)
+    assert confident == want and confident[0] >= 1  # a confident drafter still drafts
 
 
 def test_expected_tokens_by_hand():

@@ -306,7 +306,7 @@ def draft_ahead_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInput
     pool: TreePool | None = None
     for depth, pool in enumerate(grow_dynamic_tree(runner, cache, inp, spec, SamplingParams(), frontier_at_last=True)):
         decision = decide_after_depth(torch.cat(pool.sc, 1), pool.front_sc, pool.front_edge(), depth,
-                                      costs.depth_ms, costs.verify_ms, inp.row_valid, scale)
+                                      costs.depth_ms, costs.verify_ms, inp.row_valid, scale, ahead=True)
         go.append(decision.go)
         widths.append(decision.width)
     next_depth = next_sampled_depth(torch.stack(go), costs.depth_ms.shape[0])  # where it stopped, or one more

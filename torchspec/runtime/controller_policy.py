@@ -16,7 +16,11 @@ rises along a path, so the set is ancestor-closed) is expected to emit, over the
 
 **Width.** ``n* = argmax rate(n)`` over ``n = 0 .. min(N_max, pool size)``, the smallest ``n`` on a
 tie; ``n = 0`` is a plain decode step. An untrained drafter (flat distributions) adds ~0 tokens per
-node while every node costs verify time, so it gets ``n* = 0``.
+node while every node costs verify time, so it gets ``n* = 0``. Decided inside the round (the host-chained
+mode), the depths drafted are spent whatever the width, so ``cost(0)`` includes them; planned for the next
+round (``ahead``), width 0 is a plain round that drafts nothing: ``cost(0) = verify_ms[0]`` (charging it the
+depths made a barely-confident drafter look worth a width-1 verify: an untrained one at batch 8 on an H200
+verified one node in 753 of 762 rounds, x0.70 of plain).
 
 **Go deeper.** One more depth would add children to the k frontier nodes. Their probabilities are
 predicted without running it: a frontier node with path log-probability ``c`` whose last edge had
@@ -114,10 +118,14 @@ def _tokens(units: torch.Tensor, max_width: int, row_valid: torch.Tensor, scale:
 
 
 def _best(units: torch.Tensor, depth: int, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
-          row_valid: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The best width over the pool ``units`` [B, P] after drafting depths 0..depth, and its rate."""
+          row_valid: torch.Tensor, scale: torch.Tensor | None = None, ahead: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best width over the pool ``units`` [B, P] after drafting depths 0..depth, and its rate (``ahead``:
+    width 0 is a plain round, which drafts nothing)."""
     max_width = min(verify_ms.shape[0] - 1, units.shape[1])
     cost = _ns(depth_ms[: depth + 1]).sum() + _ns(verify_ms[: max_width + 1])  # [W + 1] ns
+    if ahead:  # static
+        cost = torch.cat([_ns(verify_ms[:1]), cost[1:]])
     rate = _tokens(units, max_width, row_valid, scale).double() / cost.double()  # [W + 1]
     return torch.argmax(rate), rate.max()  # argmax: the first maximum, so ties go to the smaller width
 
@@ -130,17 +138,19 @@ def expected_tokens(pool_logp: torch.Tensor, max_width: int, row_valid: torch.Te
 
 
 def verify_width(pool_logp: torch.Tensor, depth: int, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
-                 row_valid: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+                 row_valid: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                 ahead: bool = False) -> torch.Tensor:
     """The width (0-d int64) maximising tokens / ms after drafting depths 0..depth of pool ``pool_logp`` [B, P]."""
     _check_shapes(pool_logp, depth, depth_ms, verify_ms, row_valid)
     valid = torch.ones_like(pool_logp[:, 0], dtype=torch.bool) if row_valid is None else row_valid
-    return _best(_units(pool_logp), depth, depth_ms, verify_ms, valid, scale)[0]
+    return _best(_units(pool_logp), depth, depth_ms, verify_ms, valid, scale, ahead)[0]
 
 
 def decide_after_depth(pool_logp: torch.Tensor, frontier_logp: torch.Tensor, frontier_edge_logp: torch.Tensor,
                        depth: int, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
-                       row_valid: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> Decision:
-    """The decision after drafting depths 0..depth.
+                       row_valid: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                       ahead: bool = False) -> Decision:
+    """The decision after drafting depths 0..depth (``ahead``: planning the next round, module docstring).
 
     pool_logp [B, P] every drafted node's cumulative log-probability; frontier_logp [B, F] those of the
     nodes the next depth would expand, frontier_edge_logp [B, F] their last edge's log-probability;
@@ -153,12 +163,12 @@ def decide_after_depth(pool_logp: torch.Tensor, frontier_logp: torch.Tensor, fro
                          f"[{pool_logp.shape[0]}, F] (one row per pool row).")
     valid = torch.ones_like(pool_logp[:, 0], dtype=torch.bool) if row_valid is None else row_valid
     units = _units(pool_logp)  # [B, P]
-    width, rate = _best(units, depth, depth_ms, verify_ms, valid, scale)
+    width, rate = _best(units, depth, depth_ms, verify_ms, valid, scale, ahead)
     if depth + 1 == depth_ms.shape[0]:  # static: the table's last depth
         capped = torch.zeros((), dtype=torch.bool, device=pool_logp.device)
         return Decision(width, capped, capped)
     children = _units(frontier_logp.double() + frontier_edge_logp.double())  # [B, F] one predicted child each
-    _, deeper = _best(torch.cat([units, children], 1), depth + 1, depth_ms, verify_ms, valid, scale)
+    _, deeper = _best(torch.cat([units, children], 1), depth + 1, depth_ms, verify_ms, valid, scale, ahead)
     stop = deeper <= rate
     return Decision(width, stop, ~stop)
 
@@ -212,34 +222,35 @@ def reference_expected_tokens(pool: list[list[float]], max_width: int, row_valid
     return [live * PROB_ONE + (t if scale is None else t * scale // SCALE_ONE) for t in totals]
 
 
-def _ref_best(tokens: list[int], depth: int, depth_ms: list[float], verify_ms: list[float]) -> tuple[int, float]:
+def _ref_best(tokens: list[int], depth: int, depth_ms: list[float], verify_ms: list[float],
+              ahead: bool = False) -> tuple[int, float]:
     drafted = sum(round(ms * NS_PER_MS) for ms in depth_ms[: depth + 1])
     best, best_rate = 0, -1.0
     for n, t in enumerate(tokens):
-        rate = t / (drafted + round(verify_ms[n] * NS_PER_MS))
+        rate = t / ((0 if ahead and n == 0 else drafted) + round(verify_ms[n] * NS_PER_MS))
         if rate > best_rate:  # strict: a tie keeps the smaller width
             best, best_rate = n, rate
     return best, best_rate
 
 
 def reference_verify_width(pool: list[list[float]], depth: int, depth_ms: list[float], verify_ms: list[float],
-                           row_valid: list[bool], scale: int | None = None) -> int:
+                           row_valid: list[bool], scale: int | None = None, ahead: bool = False) -> int:
     return _ref_best(reference_expected_tokens(pool, len(verify_ms) - 1, row_valid, scale), depth, depth_ms,
-                     verify_ms)[0]
+                     verify_ms, ahead)[0]
 
 
 def reference_decide_after_depth(pool: list[list[float]], frontier: list[list[float]],
                                  frontier_edge: list[list[float]], depth: int, depth_ms: list[float],
-                                 verify_ms: list[float], row_valid: list[bool], scale: int | None = None
-                                 ) -> tuple[int, bool, bool]:
+                                 verify_ms: list[float], row_valid: list[bool], scale: int | None = None,
+                                 ahead: bool = False) -> tuple[int, bool, bool]:
     """(width, stop, go), as ``decide_after_depth``."""
     tokens = reference_expected_tokens(pool, len(verify_ms) - 1, row_valid, scale)
-    width, rate = _ref_best(tokens, depth, depth_ms, verify_ms)
+    width, rate = _ref_best(tokens, depth, depth_ms, verify_ms, ahead)
     if depth + 1 == len(depth_ms):
         return width, False, False
     grown = [row + [c + e for c, e in zip(cs, es)] for row, cs, es in zip(pool, frontier, frontier_edge)]
     deeper = _ref_best(reference_expected_tokens(grown, len(verify_ms) - 1, row_valid, scale), depth + 1, depth_ms,
-                       verify_ms)[1]
+                       verify_ms, ahead)[1]
     go = deeper > rate
     return width, not go, go
 
