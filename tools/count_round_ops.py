@@ -91,11 +91,39 @@ def main() -> None:
         drafting, _ = count(lambda s=spec, q=params: draft_round(engine.runner, engine.caches.drafter, inp, s, q, gen))
         rows.append({"step": name, "ops": total, "drafting_ops": drafting, "in_plain_steps": total / plain,
                      "top_ops": counts.most_common(6)})
-    print(f"{'step':<28} {'ops':>6} {'drafting':>9} {'x plain':>8}")
+    rows += controlled_rows(engine, inp, plain, bt, ctx, root, valid)
+    print(f"{'step':<28} {'ops':>6} {'drafting (controller: deciding)':>9} {'x plain':>8}")
     for r in rows:
-        print(f"{r['step']:<28} {r['ops']:>6} {r.get('drafting_ops', ''):>9} {r['in_plain_steps']:8.2f}")
+        print(f"{r['step']:<28} {r['ops']:>6} {r.get('drafting_ops', r.get('decision_ops', '')):>9} "
+              f"{r['in_plain_steps']:8.2f}")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps({"target": args.target, "rows": rows}, indent=1))
+
+
+def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]:
+    """The draft controller's ahead-mode rounds against the fixed tree of the same (depth, width): what deciding
+    on the GPU adds (the criterion at every depth, the next round's plan, the calibration's evidence), and its
+    plain round (a plain step that defers the drafter's entry)."""
+    from torchspec.runtime.controlled_drafting import Calibration, RoundCosts
+    from torchspec.runtime.drafting import SpecConfig
+    from torchspec.runtime.sampling import SamplingParams
+    from torchspec.runtime.steps import plain_step_deferring_drafter, speculate
+
+    greedy, rows = SamplingParams(), []
+    ops, _ = count(lambda: plain_step_deferring_drafter(engine.decoder, engine.runner, engine.caches, bt, ctx, root,
+                                                        valid, None))
+    rows.append({"step": "controller plain round", "ops": ops, "in_plain_steps": ops / plain})
+    for depth, width in ((1, 8), (3, 8), (5, 32)):
+        spec = SpecConfig(shape="tree", depth=depth, topk=8, num_nodes=width)
+        costs = RoundCosts(torch.full((5,), 0.1), 1 + 0.01 * torch.arange(33.0), Calibration(torch.device("cpu")),
+                           plan=(depth, width))
+        fixed, _ = count(lambda s=spec: speculate(engine.decoder, engine.runner, engine.caches, inp, s, greedy, None))
+        ctl, counts = count(lambda s=spec, c=costs: speculate(engine.decoder, engine.runner, engine.caches, inp, s,
+                                                              greedy, None, costs=c))
+        rows.append({"step": f"fixed tree d{depth} k8 n{width}", "ops": fixed, "in_plain_steps": fixed / plain})
+        rows.append({"step": f"controller ({depth}, {width})", "ops": ctl, "in_plain_steps": ctl / plain,
+                     "decision_ops": ctl - fixed, "top_ops": counts.most_common(6)})
+    return rows
 
 
 if __name__ == "__main__":

@@ -205,6 +205,51 @@ def test_ahead_rounds_draft_what_the_round_before_planned(confident, plain, tiny
     assert max(d for d, _ in trace) >= 3 and max(w for _, w in trace) >= 4, trace
 
 
+def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_tokenizer, monkeypatch):
+    """Real rounds of a drafter: ahead mode's plan, evaluated after the round for every depth at once
+    (``decide_every_depth``), is what ``decide_after_depth(ahead=True)`` decides after each depth as the tree
+    grows (next depth: where it stopped, or one more; the width chosen there), and the calibration's evidence
+    is ``expected_tokens`` of the verified nodes."""
+    import torchspec.runtime.controlled_drafting as cd
+    import torchspec.runtime.steps as steps
+    from torchspec.runtime.controller_policy import (
+        PROB_ONE,
+        decide_after_depth,
+        expected_tokens,
+        next_sampled_depth,
+    )
+    from torchspec.runtime.drafting import grow_dynamic_tree
+    from torchspec.runtime.sampling import SamplingParams
+
+    real, checked = cd.draft_ahead_tree, []
+
+    def depth_by_depth(runner, cache, inp, spec, costs):
+        go, widths, scale = [], [], costs.calibration.scale()
+        for depth, pool in enumerate(grow_dynamic_tree(runner, cache, inp, spec, SamplingParams(), frontier_at_last=True)):
+            d = decide_after_depth(torch.cat(pool.sc, 1), pool.front_sc, pool.front_edge(), depth, costs.depth_ms,
+                                   costs.verify_ms, inp.row_valid, scale, ahead=True)
+            go.append(d.go)
+            widths.append(d.width)
+        nxt = int(next_sampled_depth(torch.stack(go), costs.depth_ms.shape[0]))
+        drafted = int(expected_tokens(torch.cat(pool.sc, 1), costs.plan[1], inp.row_valid)[-1]) \
+            - int(inp.row_valid.sum()) * PROB_ONE
+        return [nxt, int(widths[min(nxt, len(widths)) - 1])], drafted / PROB_ONE
+
+    def compared(runner, cache, inp, spec, costs):
+        want, pending = depth_by_depth(runner, cache, inp, spec, costs)
+        tree, plan = real(runner, cache, inp, spec, costs)
+        assert plan.tolist() == want and float(costs.calibration.pending) == pending
+        checked.append(want)
+        return tree, plan
+
+    monkeypatch.setattr(cd, "draft_ahead_tree", compared)
+    monkeypatch.setattr(steps, "draft_ahead_tree", compared)
+    for noise in (0.0, 0.5):
+        run(confident, tiny_tokenizer, 2, SPECS[0], table(confident, depth=0.01, verify_per_node=0.02, noise=noise),
+            "ahead")
+    assert len(checked) > 20 and len({tuple(p) for p in checked}) > 3
+
+
 def _probe_rounds(n: int) -> list[int]:
     """The rounds of a width-0 plan that probe: the first, then streaks of PROBE_EVERY doubling to PROBE_MOST."""
     from torchspec.runtime.controlled_drafting import PROBE_EVERY, PROBE_MOST

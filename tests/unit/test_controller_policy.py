@@ -259,3 +259,41 @@ def test_a_drafter_whose_confidence_is_never_borne_out_decodes_plainly():
     depth_ms, verify_ms = linear_costs(5, 32, 0.05, 1.0, 0.01)
     widths = [both(pool, front, edge, 3, depth_ms, verify_ms, scale=s)[0][0] for s in (0, SCALE_ONE // 2, SCALE_ONE)]
     assert widths[0] == 0 and 0 < widths[1] <= widths[2]
+
+
+def test_every_depth_at_once_decides_like_each_depth_alone():
+    """Ahead mode evaluates the criterion after all of a round's depths at once (``decide_every_depth``): the same
+    go flags and widths as ``decide_after_depth(ahead=True)`` after each depth, and the calibration's expected
+    drafted tokens as ``expected_tokens``, bit for bit, on random rounds (trees and chains, padded rows,
+    calibrated or not, tables deeper than the round or exactly as deep)."""
+    from torchspec.runtime.controller_policy import decide_every_depth
+
+    gen = torch.Generator().manual_seed(4)
+    seen_go, seen_width = set(), set()
+    for i in range(300):
+        rows, k = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
+        drafted = int(torch.randint(1, 6, (1,), generator=gen))
+        d_max = drafted + int(torch.randint(0, 2, (1,), generator=gen))
+        n_max = int(torch.randint(0, 40, (1,), generator=gen))
+        depth_ms = 0.02 + torch.rand(d_max, generator=gen) * 0.5
+        verify_ms = 1 + torch.cumsum(torch.rand(n_max + 1, generator=gen) * 0.3 - 0.05, 0).clamp(min=0.01)
+        valid = torch.rand(rows, generator=gen) < 0.85
+        scale = None if i % 3 == 0 else torch.tensor(int(torch.randint(0, 2 * SCALE_ONE, (1,), generator=gen)))
+        sharp = float(torch.rand(1, generator=gen)) * 8
+        pools, children, sizes, want_go, want_width = [], [], [], [], []
+        for depth in range(drafted):  # depth d's tree is the prefix of the next one's (the same seed)
+            pool, front, edge = draft_scores(torch.Generator().manual_seed(i), rows, k, depth, 50, sharp)
+            got = decide_after_depth(pool, front, edge, depth, depth_ms, verify_ms, valid, scale, ahead=True)
+            want_go.append(bool(got.go))
+            want_width.append(int(got.width))
+            children.append(front.double() + edge.double())
+            sizes.append(pool.shape[1])
+            pools = pool
+        verified = int(torch.randint(0, min(pools.shape[1], n_max) + 1, (1,), generator=gen))
+        plan = decide_every_depth(pools, sizes, torch.stack(children), depth_ms, verify_ms, valid, scale, verified)
+        assert plan.go.tolist() == want_go and plan.width.tolist() == want_width, (i, rows, k, drafted, d_max, n_max)
+        expect = int(expected_tokens(pools, verified, valid)[-1]) - int(valid.sum()) * PROB_ONE
+        assert int(plan.drafted) == expect
+        seen_go.update(want_go)
+        seen_width.update(want_width)
+    assert seen_go == {True, False} and len(seen_width) > 8

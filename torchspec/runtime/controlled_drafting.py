@@ -61,6 +61,7 @@ from torchspec.runtime.controller_policy import (
     PROB_ONE,
     SCALE_ONE,
     decide_after_depth,
+    decide_every_depth,
     expected_tokens,
     next_sampled_depth,
     verify_width,
@@ -300,21 +301,20 @@ def draft_ahead_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInput
                      costs: RoundCosts) -> tuple[DraftTree, torch.Tensor]:
     """Ahead mode (module docstring): the greedy dynamic tree of ``spec`` (its depth planned), every depth
     drafted, its ``costs.plan`` width verified -> (tree, the next round's plan [2] int64: depth, width), the
-    criterion evaluated at every depth on the GPU (no host read)."""
-    scale = costs.calibration.scale()
-    go, widths = [], []
+    criterion evaluated after every depth on the GPU, all at once after the round (``decide_every_depth``:
+    the decisions ``decide_after_depth`` takes depth by depth, in a fraction of the kernels; no host read)."""
+    children, sizes = [], []
     pool: TreePool | None = None
-    for depth, pool in enumerate(grow_dynamic_tree(runner, cache, inp, spec, SamplingParams(), frontier_at_last=True)):
-        decision = decide_after_depth(torch.cat(pool.sc, 1), pool.front_sc, pool.front_edge(), depth,
-                                      costs.depth_ms, costs.verify_ms, inp.row_valid, scale, ahead=True)
-        go.append(decision.go)
-        widths.append(decision.width)
-    next_depth = next_sampled_depth(torch.stack(go), costs.depth_ms.shape[0])  # where it stopped, or one more
-    at = (next_depth - 1).clamp(max=len(widths) - 1).reshape(1)  # where it stopped (a gather: no host read)
-    next_width = torch.stack(widths).gather(0, at)[0]  # the width chosen there
+    for pool in grow_dynamic_tree(runner, cache, inp, spec, SamplingParams(), frontier_at_last=True):
+        children.append(pool.front_sc.double() + pool.front_edge().double())  # each frontier node's predicted child
+        sizes.append(sum(sc.shape[1] for sc in pool.sc))  # static: the nodes drafted up to this depth
     m = costs.plan[1]
-    _expect(costs, torch.cat(pool.sc, 1), m, inp.row_valid)
-    return pool.tree(inp.root, m), torch.stack([next_depth, next_width])
+    plan = decide_every_depth(torch.cat(pool.sc, 1), sizes, torch.stack(children), costs.depth_ms, costs.verify_ms,
+                              inp.row_valid, costs.calibration.scale(), m)
+    next_depth = next_sampled_depth(plan.go, costs.depth_ms.shape[0])  # where it stopped, or one more
+    at = (next_depth - 1).clamp(max=len(sizes) - 1).reshape(1)  # where it stopped (a gather: no host read)
+    costs.calibration.pending = plan.drafted.double() / PROB_ONE  # what the verified nodes' confidence expects
+    return pool.tree(inp.root, m), torch.stack([next_depth, plan.width.gather(0, at)[0]])
 
 
 def _expect(costs: RoundCosts, scores: torch.Tensor, m: int, row_valid: torch.Tensor) -> None:
