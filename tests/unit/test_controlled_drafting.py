@@ -9,6 +9,8 @@ configurations are one-line errors.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -287,6 +289,23 @@ def test_probe_streaks_double_while_width_0_and_reset_after_a_verifying_round(en
     assert rounds(1, [1, 0]) == [(2, 3)]
     again = rounds(20, [1, 0])
     assert [i for i, p in enumerate(again) if p != PLAIN_ROUND] == [0, 8]  # short streaks again
+
+
+def test_every_round_pays_the_tables_host_time(engine):
+    """A table's host time a round (``overhead_ms``) is added to every verify cost, plain step included; depth 0
+    stays the whole width-0 round less the timed plain step."""
+    from torchspec.runtime.controlled_drafting import RoundCosts
+
+    bare = table(engine, depth=0.05, verify_per_node=0.02)
+    timed = dataclasses.replace(bare, overhead=torch.tensor([0.3, 0.4, 0.5], dtype=torch.float64))
+    calibration = Calibration(torch.device("cpu"))
+    a = RoundCosts.lookup(bare, SPECS[0], 2, 100, calibration)
+    b = RoundCosts.lookup(timed, SPECS[0], 2, 100, calibration)  # batch 2 -> the table's 4: 0.4 ms
+    torch.testing.assert_close(b.verify_ms, a.verify_ms + 0.4)
+    torch.testing.assert_close(b.depth_ms, a.depth_ms)
+    sampled = SpecConfig(shape="tree", depth=3)
+    torch.testing.assert_close(RoundCosts.lookup_sampled(timed, sampled, 2, 100, calibration).verify_ms,
+                               RoundCosts.lookup_sampled(bare, sampled, 2, 100, calibration).verify_ms + 0.4)
 
 
 def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):

@@ -50,7 +50,8 @@ def test_cli_writes_a_complete_table(profiled):
     out, png = profiled
     data = json.loads(out.read_text())  # replaced: the older content is gone
     assert data["version"] == TABLE_VERSION
-    assert set(data) == {"version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "round_ms", "meta"}
+    assert set(data) == {"version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "round_ms",
+                         "overhead_ms", "meta"}
     assert set(data["key"]) == {"device", "tp", "target", "drafter", "dtype"}
     assert data["key"]["device"] == "cpu" and data["key"]["tp"] == 1 and data["key"]["dtype"] == "float32"
     assert (data["batches"], data["widths"], data["nodes"], data["contexts"]) == ([1, 2], [1, 2], [0, 1, 3], [8, 24])
@@ -58,6 +59,7 @@ def test_cli_writes_a_complete_table(profiled):
     assert list(table.depth.shape) == [2, 2, 2] and list(table.verify.shape) == [2, 2, 3]
     assert (table.depth > 0).all() and (table.verify > 0).all()
     assert table.meta["repeats"] == 2 and "wall-clock" in table.meta["timing"]
+    assert list(table.overhead.shape) == [2] and (table.overhead >= 0).all() and "plain decode" in table.meta["overhead"]
     assert table.depth_ms(2, 16).shape == (2,) and table.verify_ms(1, 8).shape == (4,)
     assert table.round.shape == (2, 2) and table.round_ms(2, 16).dim() == 0 and float(table.round_ms(2, 16)) > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -89,7 +91,7 @@ def hand_table() -> CostTable:
     key = CostKey(device="cpu", tp=1, target="t", drafter="d", dtype="float32")
     whole = [[c / 100 + b + 0.5 for b in batches] for c in contexts]
     return CostTable(key=key, widths=widths, nodes=nodes, batches=batches, contexts=contexts, depth=depth,
-                     verify=verify, round=whole, meta={"timing": "by hand"})
+                     verify=verify, round=whole, meta={"timing": "by hand"}, overhead=[0.125, 0.25, 0.5])
 
 
 def test_lookups_round_batches_up_interpolate_and_clamp_contexts():
@@ -119,10 +121,15 @@ def test_table_round_trips_and_bad_tables_are_refused(tmp_path):
     good = table.to_dict()
     torch.testing.assert_close(again.round, table.round, rtol=1e-3, atol=0)
     torch.testing.assert_close(table.round_ms(5, 250), torch.tensor(2.5 + 8 + 0.5), rtol=0, atol=1e-5)
+    torch.testing.assert_close(again.overhead, table.overhead, rtol=1e-3, atol=1e-4)
+    before = CostTable.from_dict({k: v for k, v in good.items() if k != "overhead_ms"})  # written before the column
+    assert before.overhead.tolist() == [0.0] * 3 and before.overhead_ms(5) == 0.0
+    assert again.overhead_ms(3) == pytest.approx(0.25, abs=1e-4)  # b 3 -> 4
     old = {k: v for k, v in good.items() if k != "round_ms"}
     cases = {"version": ({**good, "version": 3}, "version 3"),
              "version 1": ({**old, "version": 1}, "version 1, this torchspec reads version 2; re-run"),
              "round shape": ({**good, "round_ms": good["round_ms"][:1]}, "round_ms has shape"),
+             "overhead": ({**good, "overhead_ms": [0.1, -0.2, 0.3]}, "overhead_ms=.* one time >= 0 a batch"),
              "unknown key": ({**good, "extra": 1}, "unknown \\['extra'\\]"),
              "missing field": ({**good, "key": {k: v for k, v in good["key"].items() if k != "tp"}}, "missing \\['tp'\\]"),
              "shape": ({**good, "verify_ms": [r[:1] for r in good["verify_ms"]]}, "verify_ms has shape"),

@@ -120,8 +120,8 @@ class RoundCosts:
     speculating round pays beyond its verify forward -- the root's candidates, the decision, acceptance
     and the drafter's catch-up -- the table's whole width-0 round less its plain step; depth d >= 1: a
     drafter depth over the k-node frontier) and ``verify_ms`` [N + 1] (index: drafted nodes verified; 0
-    is a plain step). ``trace`` collects (depths drafted, width) per round; ``calibration``
-    scales the drafter's confidence (module docstring). A round's ``plan`` (ahead mode: the (depth, width)
+    is a plain step; each with the table's host time a round, ``CostTable.overhead_ms``). ``trace`` collects
+    (depths drafted, width) per round; ``calibration`` scales the drafter's confidence (module docstring). A round's ``plan`` (ahead mode: the (depth, width)
     it drafts) is part of its graph's key; the tensors are its graph's inputs."""
 
     depth_ms: torch.Tensor
@@ -145,6 +145,7 @@ class RoundCosts:
         device = calibration.accepted.device
         verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1]
         depth_ms = torch.cat([_round_extra(table, batch, ctx, verify_ms)[None], wide.expand(spec.depth - 1)])
+        verify_ms = verify_ms + table.overhead_ms(batch)  # every round, plain or not, pays the host's time
         if measured_only:
             measured = torch.arange(verify_ms.shape[0]) <= DENSE_WIDTHS
             measured[[n for n in table.nodes if n < verify_ms.shape[0]]] = True
@@ -164,6 +165,7 @@ class RoundCosts:
         most = min(spec.num_drafted(sampled), table.nodes[-1])
         verify_ms = table.verify_ms(batch, ctx)[: most + 1]
         levels, front = [_round_extra(table, batch, ctx, verify_ms)], widths[0]
+        verify_ms = verify_ms + table.overhead_ms(batch)  # every round pays the host's time
         for d in range(1, spec.depth):
             fits = [i for i, w in enumerate(table.widths) if w >= front]
             levels.append(depth_row[fits[0] if fits else -1])

@@ -13,6 +13,10 @@ For every context bucket and padded batch size b, on an idle engine whose rows a
   depth 0's top-k candidates, the decision, the root's verify forward, acceptance, compaction and
   the drafter's catch-up (``steps.speculate``): what every speculating round pays beyond its verify
   forward and later depths.
+* **the host's time a round** (``overhead_ms``, per batch): random prompts of the first context bucket
+  decoded plainly through the engine itself (``generate``, ``OVERHEAD_ROUNDS`` rounds): the wall time a
+  decode round less the timed plain step is what the engine adds around its forwards (bookkeeping,
+  inputs, launches, the sync) -- on a GPU, time it idles; every round pays it, plain or not.
 * **the verify forward** over n drafted nodes a row: the target forward over root + n nodes with
   the tree's attention mask and the drafter's aux layers captured, and the argmax at every node (as
   ``steps.speculate`` runs it); n = 0 is ``steps.plain_step``. The nodes form a chain: for an
@@ -50,6 +54,7 @@ from torchspec.runtime.tree import chain_tree
 from torchspec.runtime.tree_select import expand_frontier, with_ancestors
 
 GREEDY = SamplingParams()
+OVERHEAD_ROUNDS = 24  # plain decode rounds timed for the host's time a round
 
 
 def graph_replay(fn: Callable[[], object], replays: int, keep_graph: bool = False
@@ -228,8 +233,32 @@ def profile_costs(engine, *, batches: list[int], contexts: list[int], widths: li
     meta = {"timing": timing if on_gpu else "wall-clock (CPU: not a cost)", "repeats": repeats,
             "page_size": engine.page_size, "torch": torch.__version__,
             "created": datetime.now(UTC).isoformat(timespec="seconds")}
-    return CostTable(key=cost_key(engine.decoder, engine.runner), widths=list(widths), nodes=list(nodes),
-                     batches=list(batches), contexts=list(contexts), depth=depth, verify=verify, round=whole, meta=meta)
+    table = CostTable(key=cost_key(engine.decoder, engine.runner), widths=list(widths), nodes=list(nodes),
+                      batches=list(batches), contexts=list(contexts), depth=depth, verify=verify, round=whole, meta=meta)
+    ctx = min(contexts[0], engine.max_context - OVERHEAD_ROUNDS - 2)
+    table.overhead = torch.tensor([max(0.0, decode_round_ms(engine, b, ctx) - float(table.verify_ms(b, ctx)[0]))
+                                   for b in batches], dtype=torch.float64)
+    table.meta["overhead"] = f"plain decode rounds at ctx {ctx} (engine.generate) less the timed plain step"
+    if log is not None:
+        log("host ms a round " + "  ".join(f"b {b}: {t:.3f}" for b, t in zip(batches, table.overhead.tolist())))
+    return table
 
 
-__all__ = ["TIMERS", "depth_fn", "eager_ms", "graph_ms", "round_fn", "graph_replay", "profile_costs", "profile_rows_needed", "verify_fn", "wall_ms"]
+def decode_round_ms(engine, b: int, ctx: int) -> float:
+    """The wall time (ms) of one plain decode round of ``b`` rows after ``ctx`` tokens, through ``engine.generate``
+    (its prefill left out): a warm-up run (graph captures, compiles), then the median over 3 runs of the decode
+    time a round. Random prompts from a fixed seed: every tensor-parallel rank decodes the same ones."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, engine.decoder.vocab_size, (b, max(ctx, 1)), generator=g).tolist()
+    engine.generate(prompts, max_new_tokens=4, concurrency=b, ignore_eos=True)
+    runs = []
+    for _ in range(3):
+        rounds = engine.decode_rounds
+        t0 = time.perf_counter()
+        results = engine.generate(prompts, max_new_tokens=OVERHEAD_ROUNDS + 1, concurrency=b, ignore_eos=True)
+        decode = time.perf_counter() - t0 - max(r.prefill_s for r in results)
+        runs.append(1e3 * decode / max(1, engine.decode_rounds - rounds))
+    return statistics.median(runs)
+
+
+__all__ = ["OVERHEAD_ROUNDS", "TIMERS", "decode_round_ms", "depth_fn", "eager_ms", "graph_ms", "round_fn", "graph_replay", "profile_costs", "profile_rows_needed", "verify_fn", "wall_ms"]

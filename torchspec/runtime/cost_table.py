@@ -23,6 +23,7 @@ keeps its table) and the serving dtype.
      "depth_ms":  [context][batch][width],
      "verify_ms": [context][batch][node],
      "round_ms":  [context][batch],             a whole round that verifies nothing (below)
+     "overhead_ms": [batch],                     the host's time a round outside the timed forwards (below)
      "meta": {"timing": "graph", "repeats": 20, ...}}  (timing: "graph" | "eager", cost_profile.py)
 
 ``round_ms`` is a whole controlled round of width 0 -- depth 0's candidates, the controller's decision,
@@ -30,6 +31,12 @@ the verify forward of the root alone, acceptance and the drafter's catch-up -- s
 verify_ms[0]`` is what any speculating round pays beyond its verify forward and its later depths (the
 controller's depth-0 cost; version 1 had no such column and charged a width-1 depth for it, a third of
 what a round really adds on an H200, so version 1 files are refused: re-profile).
+
+``overhead_ms`` is what every decode round costs besides its forwards: the engine's bookkeeping, the round's
+inputs and launches, the sync, while the GPU idles (measured as the wall time of a plain decode round less
+the timed plain step; 0.3-0.6 ms on an H200 host). Plain and speculating rounds pay it alike, so it is part of
+every verify cost the controller weighs (``RoundCosts.lookup``): without it a deeper round, which spreads it
+over more tokens, looks dearer than it is. Optional (tables written before it read as 0).
 
 **Lookups** for a round at (batch, ctx): ``depth_ms`` -> [len(widths)], ``verify_ms`` ->
 [N_max + 1] indexed by node count 0..N_max, ``round_ms`` -> a 0-d time. A batch is rounded UP to the next measured padded batch
@@ -55,6 +62,7 @@ from torchspec.io import atomic_write_bytes, atomic_write_text
 
 TABLE_VERSION = 2
 TABLE_KEYS = ("version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "round_ms", "meta")
+OPTIONAL_KEYS = ("overhead_ms",)
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,7 @@ class CostTable:
     verify: torch.Tensor  # [C, B, N] ms, float64
     round: torch.Tensor  # [C, B] ms, float64: a whole width-0 round (module docstring)
     meta: dict
+    overhead: torch.Tensor | None = None  # [B] ms, float64: the host's time a round (module docstring); None: 0
 
     def __post_init__(self) -> None:
         for name, low in (("widths", 1), ("nodes", 0), ("batches", 1), ("contexts", 1)):
@@ -127,6 +136,12 @@ class CostTable:
                                  f"{', ' + axis if axis else ''}] is {shape}.")
             if not bool(torch.isfinite(times).all() and (times > 0).all()):
                 raise ValueError(f"cost table {name} holds a time that is not a positive number.")
+        self.overhead = torch.zeros(len(self.batches), dtype=torch.float64) if self.overhead is None else \
+            torch.as_tensor(self.overhead, dtype=torch.float64)
+        if list(self.overhead.shape) != [len(self.batches)] or not bool(
+                torch.isfinite(self.overhead).all() and (self.overhead >= 0).all()):
+            raise ValueError(f"cost table overhead_ms={self.overhead.tolist()} must hold one time >= 0 a batch "
+                             f"{self.batches}.")
 
     # --- lookups --------------------------------------------------------------------------------
 
@@ -145,6 +160,10 @@ class CostTable:
         """0-d fp32 ms of a whole width-0 round (module docstring) for ``batch`` rows of ``ctx`` tokens."""
         return _lerp(self.contexts, self.round[:, self._batch_index(batch)], [self._context(ctx)])[0].float()
 
+    def overhead_ms(self, batch: int) -> float:
+        """The host's time a decode round (module docstring) at ``batch`` rows (rounded up)."""
+        return float(self.overhead[self._batch_index(batch)])
+
     def _batch_index(self, batch: int) -> int:
         """The first measured padded batch >= ``batch``."""
         if batch < 1 or batch > self.batches[-1]:
@@ -162,7 +181,8 @@ class CostTable:
     def to_dict(self) -> dict:
         return {"version": TABLE_VERSION, "key": asdict(self.key), "widths": self.widths, "nodes": self.nodes,
                 "batches": self.batches, "contexts": self.contexts, "depth_ms": _rounded(self.depth),
-                "verify_ms": _rounded(self.verify), "round_ms": _rounded(self.round[None])[0], "meta": self.meta}
+                "verify_ms": _rounded(self.verify), "round_ms": _rounded(self.round[None])[0],
+                "overhead_ms": [round(float(t), 4) for t in self.overhead], "meta": self.meta}
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "cost table") -> CostTable:
@@ -172,7 +192,7 @@ class CostTable:
             got = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"{source}: version {got!r}, this torchspec reads version {TABLE_VERSION}; "
                              f"re-run torchspec-profile to measure it again.")
-        for what, keys, want in (("keys", set(data), TABLE_KEYS),
+        for what, keys, want in (("keys", set(data) - set(OPTIONAL_KEYS), TABLE_KEYS),
                                  ("key fields", set(data.get("key") or {}), [f.name for f in fields(CostKey)])):
             if keys != set(want):
                 raise ValueError(f"{source}: {what} {sorted(keys)} differ from {sorted(want)} (missing "
@@ -180,7 +200,8 @@ class CostTable:
         try:
             return cls(key=CostKey(**data["key"]), widths=data["widths"], nodes=data["nodes"],
                        batches=data["batches"], contexts=data["contexts"], depth=data["depth_ms"],
-                       verify=data["verify_ms"], round=data["round_ms"], meta=dict(data["meta"]))
+                       verify=data["verify_ms"], round=data["round_ms"], meta=dict(data["meta"]),
+                       overhead=data.get("overhead_ms"))
         except (TypeError, ValueError) as err:
             raise ValueError(f"{source}: {' '.join(str(err).split())}") from err
 
@@ -260,7 +281,8 @@ def plot_costs(table: CostTable, path: str | Path) -> None:
     ax_verify.legend(fontsize=7, ncol=max(1, math.ceil(len(table.contexts) * len(table.batches) / 6)))
     k = table.key
     fig.suptitle(f"{k.device}, tp {k.tp}, {k.dtype}, target {k.target}, drafter {k.drafter} "
-                 f"({table.meta.get('timing', '?')} timing)", fontsize=9)
+                 f"({table.meta.get('timing', '?')} timing); host ms a round "
+                 + ", ".join(f"b={b}: {t:.2f}" for b, t in zip(table.batches, table.overhead.tolist())), fontsize=9)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
