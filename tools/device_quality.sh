@@ -319,29 +319,33 @@ quality)
 controller)
   # Issue 14 (tools/bench_controller.py; the controller plans each round a round ahead, every shape a CUDA graph).
   # CSTEP=smollm2 (default): the controller against the best fixed shape with the drafter of SERVE (its first
-  # name=export; restore it first) or this lease's eagle4 run, trained and untrained (MT-Bench prompts), with the
-  # graph-timed cost table it measures in-process; then, with the time left, torchspec-profile's table over two
-  # context buckets and its plot; between them the timeline of plain / fixed / controller rounds at TLCONC (1 64:
-  # where the host waits, tools/controller_timeline.py). CSTEP=pair: the controlled pair at CSHAPE (default qwen3-8b), drafters CNOISE
+  # name=export; restore it first) or this lease's eagle4 run, for each of CDRAFTERS (default "untrained eagle4";
+  # one a call fits: CDRAFTERS=untrained TLCONC= PROFILE_S=0, then CDRAFTERS=eagle4), MT-Bench prompts (CNUM a run,
+  # 16), with the graph-timed cost table it measures in-process; then the timeline of plain / fixed / controller
+  # rounds at TLCONC (1 64: where the host waits, tools/controller_timeline.py; empty: none) and, unless
+  # PROFILE_S=0, torchspec-profile's table over two context buckets and its plot. CSTEP=pair: the controlled pair at CSHAPE (default qwen3-8b), drafters CNOISE
   # (default 0.0,untrained; CNUM prompts a timed run, 8; a shorter sweep, CCHAINS 1,3,5 and CTREES: an 8B step is
   # ~7x SmolLM2's). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request.
   if [ "${CSTEP:-smollm2}" = smollm2 ]; then
     join_target
     drafter=${SERVE:-}; drafter=${drafter%% *}; drafter=${drafter#*=}; [ -n "$drafter" ] || drafter=$(export_step eagle4)
-    timeout $(( $(left) - ${PROFILE_S:-90} )) python3 tools/bench_controller.py --target "$W/smollm2.gguf" \
-      --cache-dir "$W/cache" --drafter "untrained=$drafter" --drafter "eagle4=$drafter" --prompt-set mtbench \
-      --prompt-len 256 --max-new-tokens "${CNEW:-128}" --concurrency "${CCONC:-1,8,64}" \
-      --out "$RES/controller_smollm2_h200.json" > "$RES/controller_smollm2.log" 2>&1; tail -n 8 "$RES/controller_smollm2.log"
-    for c in ${TLCONC:-1 64}; do  # where the host waits (tools/controller_timeline.py), on the table just measured
+    for name in ${CDRAFTERS:-untrained eagle4}; do  # one bench a drafter (~300 s each on an H200: one call each)
+      timeout $(( $(left) - ${PROFILE_S:-90} )) python3 tools/bench_controller.py --target "$W/smollm2.gguf" \
+        --cache-dir "$W/cache" --drafter "$name=$drafter" --prompt-set mtbench --num-prompts "${CNUM:-16}" \
+        --prompt-len 256 --max-new-tokens "${CNEW:-128}" --concurrency "${CCONC:-1,8,64}" \
+        --out "$RES/controller_${name}_h200.json" > "$RES/controller_$name.log" 2>&1; grep " c=" "$RES/controller_$name.log"
+    done
+    for c in ${TLCONC-1 64}; do  # where the host waits (tools/controller_timeline.py), on the table just measured
+      costs=$(ls "$RES"/controller_*_h200.costs.json | tail -1)
       timeout $(( $(left) - ${PROFILE_S:-90} )) python3 tools/controller_timeline.py --target "$W/smollm2.gguf" \
         --cache-dir "$W/cache" --drafter "eagle4=$drafter" --prompt-set mtbench --concurrency "$c" \
-        --costs "$RES/controller_smollm2_h200.costs.json" --out "$RES/controller_timeline_c$c.json" \
+        --costs "$costs" --out "$RES/controller_timeline_c$c.json" \
         --plot "$RES/controller_timeline_c$c.png" > "$RES/timeline_c$c.log" 2>&1; grep mode= "$RES/timeline_c$c.log"
     done
-    timeout $(( $(left) - 5 )) python3 recipes/profile_costs.py --target "$W/smollm2.gguf" --cache-dir "$W/cache" \
-      --drafter "$drafter" --batches "${CCONC:-1,8,64}" --contexts 512,2048 --widths 1,8 --nodes 0,1,2,4,8,16,32 \
-      --timing graph --out "$RES/costs_smollm2_h200.json" --plot "$RES/costs_smollm2_h200.png" \
-      > "$RES/profile_costs.log" 2>&1; tail -n 4 "$RES/profile_costs.log"
+    [ "${PROFILE_S:-90}" -gt 0 ] && timeout $(( $(left) - 5 )) python3 recipes/profile_costs.py --target "$W/smollm2.gguf" \
+      --cache-dir "$W/cache" --drafter "$drafter" --batches "${CCONC:-1,8,64}" --contexts 512,2048 --widths 1,8 \
+      --nodes 0,1,2,4,8,16,32 --timing graph --out "$RES/costs_smollm2_h200.json" --plot "$RES/costs_smollm2_h200.png" \
+      > "$RES/profile_costs.log" 2>&1 && tail -n 5 "$RES/profile_costs.log"
   else
     timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --shape "${CSHAPE:-qwen3-8b}" \
       --noise "${CNOISE:-0.0,untrained}" --max-new-tokens "${CNEW:-64}" --concurrency "${CCONC:-1,8,64}" \
