@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.runtime_pair import build_pair
-from torchspec.runtime import engine as engine_module
+from torchspec.runtime import engine_forwards as forwards_module
 from torchspec.runtime.drafting import SpecConfig
 from torchspec.runtime.loading import load_engine
 from torchspec.runtime.paged_kv import TRASH_PAGE
@@ -60,7 +60,7 @@ def checked_forwards(monkeypatch, engine) -> dict:
         return checked
 
     for name in ("prefill", "plain_step", "speculate"):
-        monkeypatch.setattr(engine_module, name, wrap(getattr(engine_module, name),
+        monkeypatch.setattr(forwards_module, name, wrap(getattr(forwards_module, name),
                                                       "prefill" if name == "prefill" else "decode"))
     return calls
 
