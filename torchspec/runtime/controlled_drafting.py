@@ -26,7 +26,9 @@ to the node counts the table measured. The plan is two ints in the round's outpu
 the committed tokens in the round's one sync: the host never waits inside a round, and every planned shape
 is a static round that CUDA graphs capture (one per (depth, width) and batch). A planned width 0 starts a
 plain streak: its first round (a probe) drafts depth 0 alone (the top-k of the drafter state the catch-up
-already computed), verifies the root only and decides again; the next ``PROBE_EVERY - 1`` run plain steps
+already computed), verifies the root and its best candidate (``PROBE_WIDTH``: a probe that verified nothing gave
+the calibration no evidence, so a drafter less confident than it is right was never verified again) and decides
+again; the next ``PROBE_EVERY - 1`` run plain steps
 (twice as many after each probe that plans width 0 again, up to ``PROBE_MOST - 1``: an untrained drafter's
 probes cost ~1/32 of the rounds, not 1/8; any round that verifies resets the streak) whose drafter entries are deferred (``steps.plain_step_deferring_drafter``, ``pending_drafter.py``) until the
 next round that drafts catches up on them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the
@@ -77,6 +79,7 @@ from torchspec.runtime.tree import DraftTree
 MODES = ("ahead", "within")
 PLAIN_ROUND = (0, 0)  # ahead mode's plan for a round that drafts nothing (steps.plain_step_deferring_drafter)
 PROBE_EVERY = 8  # while the plan is width 0, the first round and the PROBE_EVERY-th after draft depth 0 and decide
+PROBE_WIDTH = 1  # a probe verifies this many nodes (an underconfident drafter is found out only by verifying it)
 PROBE_MOST = 32  # ... the streak between probes doubling after each probe that plans width 0 again, up to this
 CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP tokens of context) and kept
 DENSE_WIDTHS = 8  # ahead mode verifies any width up to this; beyond it, only the node counts the table measured
@@ -256,6 +259,8 @@ class Controller:
                 self.deferred = True
                 self.trace.append(PLAIN_ROUND)
                 return base, self._plain
+            else:  # a probe verifies the drafter's best candidate: evidence for the calibration either way
+                width = PROBE_WIDTH
             costs = self._lookup(base, batch, ctx, sampled=False)
             costs.plan = (depth, width)
             self._flush_if_deferred(costs)
@@ -378,5 +383,5 @@ def next_depth_after_sampled(tree: DraftTree, depth: int, costs: RoundCosts, row
     return torch.stack([next_depth, torch.zeros_like(next_depth)])
 
 
-__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "Calibration", "Controller", "RoundCosts", "check_table_for", "draft_ahead_tree",
+__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Calibration", "Controller", "RoundCosts", "check_table_for", "draft_ahead_tree",
            "draft_controlled_tree", "next_depth_after_sampled", "sampled_go_flags"]

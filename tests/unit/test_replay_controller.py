@@ -1,0 +1,68 @@
+"""`tools/replay_controller.py` on the CPU: the tiny pair served with a hand-built table, each round priced from it.
+Checks the pricing rules by hand, the rows (fixed shapes and the controller, greedy outputs equal to plain), the
+host time a round taken from ``--overhead``, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cost_tables import linear_table
+from tests.runtime_pair import build_pair
+from tests.tool_loader import load_tool
+from torchspec.runtime.loading import load_engine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return load_tool("replay_controller")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("replay")
+    target, drafter = build_pair(root, tiny_tokenizer)
+    engine = load_engine(target, drafter, device="cpu", dtype="float32", max_batch=2, max_context=128)
+    costs = root / "costs.json"
+    linear_table(engine, 0.05, 0.02, widths=[1, 2, 4], nodes=list(range(9))).save(costs)
+    return root, target, drafter, costs
+
+
+def test_pricing_follows_the_table(tool, setup):
+    from torchspec.runtime.cost_table import CostTable
+
+    table = CostTable.load(setup[3], None)
+    table.overhead = table.overhead + 0.5
+    price = tool.Pricer(table, 2, 100)  # linear_table: plain 1 ms, a node 0.02 ms more, a depth 0.05 ms
+    assert price.plain() == pytest.approx(1.5)
+    assert price.round(0, 4, 0) == price.plain()  # a plain round
+    assert price.round(3, 4, 6) == pytest.approx(0.05 + 2 * 0.05 + 1.12 + 0.5, abs=1e-6)
+    assert price.depth_ms(3) == pytest.approx(0.05, abs=1e-6)  # between measured widths 2 and 4
+
+
+def test_rows_and_outputs(tool, setup, tmp_path):
+    root, target, drafter, costs = setup
+    out = tmp_path / "replay.json"
+    result = tool.main(["--target", target, "--drafter", drafter, "--costs", str(costs), "--num-prompts", "3",
+                        "--prompt-len", "24", "--max-new-tokens", "12", "--concurrency", "2", "--chains", "1,2",
+                        "--trees", "2x2x3,3x2x6", "--overhead", "1=0.3,4=0.4,512=0.5", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == result["rows"] and saved["host_ms"] == pytest.approx(0.4)
+    assert [r["mode"] for r in saved["rows"]] == ["chain1", "chain2", "tree2x2x3", "tree3x2x6", "controller"]
+    for r in saved["rows"]:
+        assert r["acceptance"] >= 1 and r["speedup"] > 0
+    assert max(r["acceptance"] for r in saved["rows"][:-1]) > 1.2  # the pair agrees: drafts are accepted
+    assert sum(n for _, _, n in saved["rows"][-1]["plans"]) > 0
+
+
+@pytest.mark.parametrize("change, text", [(["--overhead", "1=0.3"], "lacks the table's batches"),
+                                          (["--overhead", "1:0.3"], "BATCH=MS"),
+                                          (["--trees", "3x2"], "--trees entry")])
+def test_bad_input_is_one_line(tool, setup, capsys, change, text):
+    root, target, drafter, costs = setup
+    with pytest.raises(SystemExit) as err:
+        tool.main(["--target", target, "--drafter", drafter, "--costs", str(costs), *change])
+    assert err.value.code == 2 and text in capsys.readouterr().err
