@@ -11,23 +11,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cost_tables import linear_table
 from tests.tool_loader import load_tool
+from tests.unit.test_controller_timeline import run_tiny
 
 pytestmark = pytest.mark.gpu
 
 
 def test_every_graphed_round_syncs_once_after_its_launches(tmp_path):
     tool = load_tool("controller_timeline")
-    base = ["--shape", "tiny", "--device", "cuda", "--concurrency", "2", "--tree", "3x2x4", "--prompt-len", "16",
-            "--max-new-tokens", "40"]
-    args = tool.build_parser().parse_args([*base, "--out", str(tmp_path / "unused.json")])
-    args.controller_mode = "ahead"
-    _, engine = next(tool.engines(args, {"noise": ["0.0"]}, 2, 256))
-    costs = tmp_path / "costs.json"
-    linear_table(engine, 0.02, 0.1, widths=[1, 2], nodes=list(range(5))).save(costs)
-    out = tool.main([*base, "--costs", str(costs), "--out", str(tmp_path / "timeline.json"),
-                     "--plot", str(tmp_path / "timeline.png")])
+    out, _, _ = run_tiny(tool, tmp_path, "cuda", 16, 40)
     assert out["cuda_graphs"] is True
     for row in out["rows"]:
         assert row["rounds"] >= 5, row

@@ -50,16 +50,21 @@ def test_round_stats_count_waits_inside_and_at_the_end(tool):
     assert row["rounds"] == 2 and row["captured_rounds"] == 1 and row["syncs_before_last_launch"] == 0
 
 
-def test_the_tool_on_cpu_writes_rows_and_the_figure(tool, tmp_path):
-    base = ["--shape", "tiny", "--device", "cpu", "--concurrency", "2", "--tree", "3x2x4", "--prompt-len", "8",
-            "--max-new-tokens", "10"]
+def run_tiny(tool, tmp_path, device: str, prompt_len: int, new: int) -> tuple[dict, object, object]:
+    """The tool on the tiny controlled pair with a hand-built table -> (result, its JSON path, its PNG path)."""
+    base = ["--shape", "tiny", "--device", device, "--concurrency", "2", "--tree", "3x2x4", "--prompt-len",
+            str(prompt_len), "--max-new-tokens", str(new)]
     args = tool.build_parser().parse_args([*base, "--out", str(tmp_path / "unused.json")])
     args.controller_mode = "ahead"
-    _, engine = next(tool.engines(args, {"noise": ["0.0"]}, 2, 64))
+    _, engine = next(tool.engines(args, {"noise": ["0.0"]}, 2, prompt_len + new + 160))
     costs = tmp_path / "costs.json"
     linear_table(engine, 0.02, 0.1, widths=[1, 2], nodes=list(range(5))).save(costs)
     out, png = tmp_path / "timeline.json", tmp_path / "timeline.png"
-    result = tool.main([*base, "--costs", str(costs), "--out", str(out), "--plot", str(png)])
+    return tool.main([*base, "--costs", str(costs), "--out", str(out), "--plot", str(png)]), out, png
+
+
+def test_the_tool_on_cpu_writes_rows_and_the_figure(tool, tmp_path):
+    result, out, png = run_tiny(tool, tmp_path, "cpu", 8, 10)
     saved = json.loads(out.read_text())
     assert saved["rows"] == result["rows"] and [r["mode"] for r in saved["rows"]] == ["plain", "fixed tree3x2x4", "controller"]
     for r in saved["rows"]:
