@@ -28,7 +28,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_controller import parse_tree  # noqa: E402
+from bench_controller import bench_prompts, parse_tree  # noqa: E402
 
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
@@ -114,15 +114,13 @@ def replay(args) -> dict:
     if not pathlib.Path(args.costs).is_file():
         raise ValueError(f"--costs {args.costs} does not exist; give a torchspec-profile table.")
     from torchspec.runtime.loading import load_engine
-    from torchspec.runtime.prompts import load_prompt_set, render_prompts
 
     engine = load_engine(args.target, args.drafter, device=args.device, dtype=args.dtype,
                          max_batch=args.concurrency, max_context=args.prompt_len + args.max_new_tokens + 64,
                          cache_dir=str(pathlib.Path(args.cache_dir).expanduser()))
     table = load_table(args, engine)
     price = Pricer(table, args.concurrency, args.ctx)
-    ids = render_prompts(engine.tokenizer, load_prompt_set(args.prompt_set))
-    prompts = [p[-args.prompt_len:] for p in (ids * (1 + args.num_prompts // len(ids)))[:args.num_prompts]]
+    prompts = bench_prompts(args, engine, args.num_prompts, None)  # a prompt set: no random draws
 
     def run(**kw):
         out = engine.generate(prompts, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency, **kw)

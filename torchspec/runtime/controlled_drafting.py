@@ -28,10 +28,10 @@ is a static round that CUDA graphs capture (one per (depth, width) and batch). A
 plain streak: its first round (a probe) drafts depth 0 alone (the top-k of the drafter state the catch-up
 already computed), verifies the root and its best candidate (``PROBE_WIDTH``: a probe that verified nothing gave
 the calibration no evidence, so a drafter less confident than it is right was never verified again) and decides
-again; the next ``PROBE_EVERY - 1`` run plain steps
-(twice as many after each probe that plans width 0 again, up to ``PROBE_MOST - 1``: an untrained drafter's
-probes cost ~1/32 of the rounds, not 1/8; any round that verifies resets the streak) whose drafter entries are deferred (``steps.plain_step_deferring_drafter``, ``pending_drafter.py``) until the
-next round that drafts catches up on them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the
+again; the next ``PROBE_EVERY - 1`` run plain steps (twice as many after each probe that plans width 0
+again, up to ``PROBE_MOST - 1``: an untrained drafter's probes cost ~1/32 of the rounds, not 1/8; any round
+that verifies resets the streak) whose drafter entries are deferred (``steps.plain_step_deferring_drafter``,
+``pending_drafter.py``) until the next round that drafts catches up on them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the
 round, after every depth, on the host (one sync a depth): the same criterion on the round's own
 frontier, without CUDA graphs (``SpeculativeEngine(cuda_graphs=False)``). Device-chained per-depth graphs
 (a one-thread kernel launching the next depth's graph) are not built.
@@ -124,8 +124,9 @@ class RoundCosts:
     and the drafter's catch-up -- the table's whole width-0 round less its plain step; depth d >= 1: a
     drafter depth over the k-node frontier) and ``verify_ms`` [N + 1] (index: drafted nodes verified; 0
     is a plain step; each with the table's host time a round, ``CostTable.overhead_ms``). ``trace`` collects
-    (depths drafted, width) per round; ``calibration`` scales the drafter's confidence (module docstring). A round's ``plan`` (ahead mode: the (depth, width)
-    it drafts) is part of its graph's key; the tensors are its graph's inputs."""
+    (depths drafted, width) per round; ``calibration`` scales the drafter's confidence (module docstring). A
+    round's ``plan`` (ahead mode: the (depth, width) it drafts) is part of its graph's key; the tensors are its
+    graph's inputs."""
 
     depth_ms: torch.Tensor
     verify_ms: torch.Tensor
@@ -383,5 +384,5 @@ def next_depth_after_sampled(tree: DraftTree, depth: int, costs: RoundCosts, row
     return torch.stack([next_depth, torch.zeros_like(next_depth)])
 
 
-__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Calibration", "Controller", "RoundCosts", "check_table_for", "draft_ahead_tree",
-           "draft_controlled_tree", "next_depth_after_sampled", "sampled_go_flags"]
+__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Calibration", "Controller", "RoundCosts",
+           "check_table_for", "draft_ahead_tree", "draft_controlled_tree", "next_depth_after_sampled", "sampled_go_flags"]

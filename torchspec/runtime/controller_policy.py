@@ -323,5 +323,5 @@ def reference_next_sampled_depth(go_flags: list[bool], max_depth: int) -> int:
 
 
 __all__ = ["PROB_ONE", "SCALE_ONE", "INITIAL_SAMPLED_DEPTH", "Decision", "RoundPlan", "check_costs", "expected_tokens",
-           "verify_width", "decide_after_depth", "decide_every_depth", "next_sampled_depth", "chain_depth_for_batch", "reference_expected_tokens",
-           "reference_verify_width", "reference_decide_after_depth", "reference_next_sampled_depth"]
+           "verify_width", "decide_after_depth", "decide_every_depth", "next_sampled_depth", "chain_depth_for_batch",
+           "reference_expected_tokens", "reference_verify_width", "reference_decide_after_depth", "reference_next_sampled_depth"]

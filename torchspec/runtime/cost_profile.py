@@ -28,8 +28,8 @@ engine's rounds are, after three eager warm-ups (which also compile the fused re
 ``timing`` modes: ``"graph"``, each measured function captured in a CUDA graph and replayed (what a
 graphed round pays: the controller's default "ahead" mode), or ``"eager"``, each run launched op by op
 from the host, so the time holds the launches the GPU waits for (what the host-chained "within" mode pays:
-it serves without graphs, ``controlled_drafting.py``). The table records its mode (``meta["timing"]``). Elsewhere it is the median
-of R wall-clock runs after two warm-ups: enough to exercise the profiler in CPU tests, meaningless as
+it serves without graphs, ``controlled_drafting.py``). The table records its mode (``meta["timing"]``).
+Elsewhere it is the median of R wall-clock runs after two warm-ups: enough to exercise the profiler in CPU tests, meaningless as
 costs.
 
 Under tensor parallelism every rank runs the same measurements (the target's collectives pair up);
@@ -261,4 +261,5 @@ def decode_round_ms(engine, b: int, ctx: int) -> float:
     return statistics.median(runs)
 
 
-__all__ = ["OVERHEAD_ROUNDS", "TIMERS", "decode_round_ms", "depth_fn", "eager_ms", "graph_ms", "round_fn", "graph_replay", "profile_costs", "profile_rows_needed", "verify_fn", "wall_ms"]
+__all__ = ["OVERHEAD_ROUNDS", "TIMERS", "decode_round_ms", "depth_fn", "eager_ms", "graph_ms", "round_fn", "graph_replay",
+           "profile_costs", "profile_rows_needed", "verify_fn", "wall_ms"]

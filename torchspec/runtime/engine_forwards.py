@@ -102,13 +102,14 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
         index, ctx = packed[: len(rows)], packed[len(rows):]
         valid = torch.ones(len(rows), dtype=torch.bool, device=engine.device)
         position = range(len(rows))
-    cols = engine.table_columns_for(max(slots[i].ctx for i in rows) + per_round)
+    longest = max(slots[i].ctx for i in rows)
+    cols = engine.table_columns_for(longest + per_round)
     bt = engine.block_table[index, :cols]
     params = round_sampling(engine, rows, active, greedy)
     generator = engine.generator if engine.graphs is None else None
     costs = None
     if spec is not None and engine.controller is not None:  # the round's shape and costs at its batch and context
-        spec, costs = engine.controller.plan(params, len(active), max(slots[i].ctx for i in rows))
+        spec, costs = engine.controller.plan(params, len(active), longest)
     deferring = costs is not None and costs.plan == PLAIN_ROUND  # a controller's plain round: a plain step's inputs
     if spec is None or deferring:
         def step(bt, ctx, root, valid, slots, params):
