@@ -323,8 +323,9 @@ controller)
   # one a call fits: CDRAFTERS=untrained TLCONC= PROFILE_S=0, then CDRAFTERS=eagle4), MT-Bench prompts (CNUM a run,
   # 16), with the graph-timed cost table it measures in-process; then the timeline of plain / fixed / controller
   # rounds at TLCONC (1 64: where the host waits, tools/controller_timeline.py; empty: none) and, unless
-  # PROFILE_S=0, torchspec-profile's table over two context buckets and its plot. CSTEP=pair: the controlled pair at CSHAPE (default qwen3-8b), drafters CNOISE
-  # (default 0.0,untrained; CNUM prompts a timed run, 8; a shorter sweep, CCHAINS 1,3,5 and CTREES: an 8B step is
+  # PROFILE_S=0, torchspec-profile's table over two context buckets and its plot (the rows of docs/bench/
+  # controller_h200.json are the drafters' files merged). CSTEP=pair: the controlled pair at CSHAPE (default
+  # qwen3-8b), drafters CNOISE (default 0.0,untrained; CNUM prompts a timed run, 8; a shorter sweep, CCHAINS 1,3,5 and CTREES: an 8B step is
   # ~7x SmolLM2's). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request.
   if [ "${CSTEP:-smollm2}" = smollm2 ]; then
     join_target
