@@ -321,7 +321,7 @@ controller)
   # CSTEP=smollm2 (default): the controller against the best fixed shape with the drafter of SERVE (its first
   # name=export; restore it first) or this lease's eagle4 run, for each of CDRAFTERS (default "untrained eagle4";
   # one a call fits: CDRAFTERS=untrained TLCONC= PROFILE_S=0, then CDRAFTERS=eagle4), MT-Bench prompts (CNUM a run,
-  # 16), with the graph-timed cost table it measures in-process; then the timeline of plain / fixed / controller
+  # 16; the sweep's CCHAINS and CTREES), with the graph-timed cost table it measures in-process; then the timeline of plain / fixed / controller
   # rounds at TLCONC (1 64: where the host waits, tools/controller_timeline.py; empty: none) and, unless
   # PROFILE_S=0, torchspec-profile's table over two context buckets and its plot (the rows of docs/bench/
   # controller_h200.json are the drafters' files merged). CSTEP=pair: the controlled pair at CSHAPE (default
@@ -334,6 +334,7 @@ controller)
       timeout $(( $(left) - ${PROFILE_S:-90} )) python3 tools/bench_controller.py --target "$W/smollm2.gguf" \
         --cache-dir "$W/cache" --drafter "$name=$drafter" --prompt-set mtbench --num-prompts "${CNUM:-16}" \
         --prompt-len 256 --max-new-tokens "${CNEW:-128}" --concurrency "${CCONC:-1,8,64}" \
+        --chains "${CCHAINS:-1,2,3,4,5,6}" --trees "${CTREES:-3x4x8,4x4x16,5x8x32}" \
         --out "$RES/controller_${name}_h200.json" > "$RES/controller_$name.log" 2>&1; grep " c=" "$RES/controller_$name.log"
     done
     for c in ${TLCONC-1 64}; do  # where the host waits (tools/controller_timeline.py), on the table just measured

@@ -17,7 +17,9 @@ import torch
 
 from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
+from torchspec.runtime.controlled_drafting import PROBE_WIDTH
 from torchspec.runtime.controller_policy import (
+    PROB_ONE,
     decide_after_depth,
     expected_tokens,
     reference_decide_after_depth,
@@ -80,29 +82,50 @@ def test_random_rounds_decide_on_the_gpu_like_the_reference():
 
 
 def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_tokenizer, monkeypatch):
-    """Every decision of a real controlled generation on the GPU, replayed through the reference."""
+    """Every decision of a real controlled generation on the GPU, replayed through the reference: host-chained
+    ("within": ``decide_after_depth`` after each depth) and planned ahead (``decide_every_depth`` after the round,
+    each depth's go flag and width against the reference at that depth)."""
     import torchspec.runtime.controlled_drafting as cd
 
-    recorded = []
-    real = cd.decide_after_depth
+    within, ahead = [], []
+    real_after, real_every = cd.decide_after_depth, cd.decide_every_depth
 
-    def recording(pool, front, edge, depth, depth_ms, verify_ms, valid, scale=None):
-        recorded.append([t.detach().cpu().clone() if torch.is_tensor(t) else t
-                         for t in (pool, front, edge, depth, depth_ms, verify_ms, valid, scale)])
-        return real(pool, front, edge, depth, depth_ms, verify_ms, valid, scale)
+    def host(t):
+        return t.detach().cpu().clone() if torch.is_tensor(t) else t
 
-    monkeypatch.setattr(cd, "decide_after_depth", recording)
+    def after(pool, front, edge, depth, depth_ms, verify_ms, valid, scale=None):
+        within.append([host(t) for t in (pool, front, edge, depth, depth_ms, verify_ms, valid, scale)])
+        return real_after(pool, front, edge, depth, depth_ms, verify_ms, valid, scale)
+
+    def every(pool, sizes, children, depth_ms, verify_ms, valid, scale, verified):
+        plan = real_every(pool, sizes, children, depth_ms, verify_ms, valid, scale, verified)
+        ahead.append([host(t) for t in (pool, list(sizes), children, depth_ms, verify_ms, valid, scale, verified,
+                                        plan.go, plan.width, plan.drafted)])
+        return plan
+
+    monkeypatch.setattr(cd, "decide_after_depth", after)
+    monkeypatch.setattr(cd, "decide_every_depth", every)
     engine = engine_of(pair)
     engine.runner.model.lm_head.weight.data.mul_(40.0)  # confident, so rounds go deep (test_controlled_drafting.py)
     ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "one two three", "alpha")]
-    engine.generate(ps, max_new_tokens=24, spec=SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12),
-                    ignore_eos=True, controller=linear_table(engine, 0.05, 0.02, widths=[1, 3],
-                                                             nodes=[0, 1, 2, 4, 8, 12]))
-    assert len(recorded) > 10
-    for pool, front, edge, depth, depth_ms, verify_ms, valid, scale in recorded:
+    for mode in ("within", "ahead"):
+        engine.generate(ps, max_new_tokens=24, spec=SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12),
+                        ignore_eos=True, controller_mode=mode,
+                        controller=linear_table(engine, 0.05, 0.02, widths=[1, 3], nodes=[0, 1, 2, 4, 8, 12]))
+    assert len(within) > 10 and len(ahead) > 3
+    for pool, front, edge, depth, depth_ms, verify_ms, valid, scale in within:
         s = None if scale is None else int(scale)
         got, want = decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, s)
         assert got == want
+    for pool, sizes, children, depth_ms, verify_ms, valid, scale, verified, go, width, drafted in ahead:
+        s = None if scale is None else int(scale)
+        for d, size in enumerate(sizes):  # a child's score is its frontier path plus its edge: the edge here is 0
+            want = reference_decide_after_depth(pool[:, :size].tolist(), children[d].tolist(),
+                                                torch.zeros_like(children[d]).tolist(), d, depth_ms.tolist(),
+                                                verify_ms.tolist(), valid.tolist(), s, ahead=True)
+            assert (int(width[d]), bool(go[d])) == (want[0], want[2]), (d, sizes)
+        unscaled = reference_expected_tokens(pool.tolist(), verified, valid.tolist(), None)
+        assert int(drafted) == unscaled[-1] - int(valid.sum()) * PROB_ONE
 
 
 @pytest.mark.parametrize("timing", ["graph", "eager"])
@@ -134,7 +157,8 @@ def test_controlled_greedy_equals_plain_on_the_gpu(pair, tiny_tokenizer, depth_m
                                   controller_mode=mode, concurrency=concurrency)
             assert [r.token_ids for r in out] == [r.token_ids for r in plain], (spec.shape, concurrency)
             widths = {w for _, w in engine.controller.trace}
-            assert (widths == {0}) if per_node == 100.0 else (max(widths) > 0)
+            probe = PROBE_WIDTH if mode == "ahead" else 0  # ahead mode's probes verify the best candidate
+            assert (widths <= {0, probe}) if per_node == 100.0 else (max(widths) > 0)
     assert engine.free_pages == engine.total_pages
     if mode == "ahead":  # every planned shape ran as a captured graph
         assert len(engine.graphs) > 4 and not engine.graphs._failed
