@@ -24,6 +24,7 @@ from torchspec.runtime.controller_policy import (
     expected_tokens,
     reference_decide_after_depth,
     reference_expected_tokens,
+    reference_next_plan,
     verify_width,
 )
 from torchspec.runtime.cost_profile import profile_costs
@@ -84,7 +85,7 @@ def test_random_rounds_decide_on_the_gpu_like_the_reference():
 def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_tokenizer, monkeypatch):
     """Every decision of a real controlled generation on the GPU, replayed through the reference: host-chained
     ("within": ``decide_after_depth`` after each depth) and planned ahead (``decide_every_depth`` after the round,
-    each depth's go flag and width against the reference at that depth)."""
+    each depth's go flag and width against the reference at that depth, and the next round's plan)."""
     import torchspec.runtime.controlled_drafting as cd
 
     within, ahead = [], []
@@ -100,7 +101,7 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
     def every(pool, sizes, children, depth_ms, verify_ms, valid, scale, verified):
         plan = real_every(pool, sizes, children, depth_ms, verify_ms, valid, scale, verified)
         ahead.append([host(t) for t in (pool, list(sizes), children, depth_ms, verify_ms, valid, scale, verified,
-                                        plan.go, plan.width, plan.drafted)])
+                                        plan.go, plan.width, plan.drafted, torch.stack([plan.next_depth, plan.next_width]))])
         return plan
 
     monkeypatch.setattr(cd, "decide_after_depth", after)
@@ -117,13 +118,17 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
         s = None if scale is None else int(scale)
         got, want = decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, s)
         assert got == want
-    for pool, sizes, children, depth_ms, verify_ms, valid, scale, verified, go, width, drafted in ahead:
+    for pool, sizes, children, depth_ms, verify_ms, valid, scale, verified, go, width, drafted, planned in ahead:
         s = None if scale is None else int(scale)
         for d, size in enumerate(sizes):  # a child's score is its frontier path plus its edge: the edge here is 0
             want = reference_decide_after_depth(pool[:, :size].tolist(), children[d].tolist(),
                                                 torch.zeros_like(children[d]).tolist(), d, depth_ms.tolist(),
                                                 verify_ms.tolist(), valid.tolist(), s, ahead=True)
             assert (int(width[d]), bool(go[d])) == (want[0], want[2]), (d, sizes)
+        want = reference_next_plan([pool[:, :size].tolist() for size in sizes], children[-1].tolist(),
+                                   torch.zeros_like(children[-1]).tolist(), depth_ms.tolist(), verify_ms.tolist(),
+                                   valid.tolist(), s)
+        assert tuple(planned.tolist()) == want
         unscaled = reference_expected_tokens(pool.tolist(), verified, valid.tolist(), None)
         assert int(drafted) == unscaled[-1] - int(valid.sum()) * PROB_ONE
 

@@ -211,35 +211,42 @@ def test_ahead_rounds_draft_what_the_round_before_planned(confident, plain, tiny
     assert max(d for d, _ in trace) >= 3 and max(w for _, w in trace) >= 4, trace
 
 
+def test_ahead_goes_deeper_where_depth_0_alone_does_not_pay(confident, plain, tiny_tokenizer):
+    """A round's depth 0 dear (the whole width-0 round 1 ms over a plain step), every later depth and node nearly
+    free: depth 0 alone is not worth verifying, a deeper round is. The probe's plan goes one depth deeper with
+    the width the criterion predicted for that round (``RoundPlan.deeper_width``), not the width 0 of depth 0
+    alone, which kept a drafter that pays from its second depth on in plain streaks for good; nor is a deep round
+    cut back to depth 1 after one hard first token (the first depth where the criterion stopped, planned before)."""
+    cheap = table(confident, depth=1e-4, verify_per_node=1e-3)
+    costs = dataclasses.replace(cheap, round=cheap.verify[..., 0] + 1.0)
+    out, trace = run(confident, tiny_tokenizer, 1, SPECS[0], costs, "ahead")
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain[1]]
+    assert trace[0] == (1, 1) and all(d == SPECS[0].depth and w >= 4 for d, w in trace[3:]), trace  # 1, 2, 3, 4 deep
+    assert max(max(r.accept_lengths) for r in out) > 2
+
+
 def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_tokenizer, monkeypatch):
     """Real rounds of a drafter: ahead mode's plan, evaluated after the round for every depth at once
-    (``decide_every_depth``), is what ``decide_after_depth(ahead=True)`` decides after each depth as the tree
-    grows (next depth: where it stopped, or one more; the width chosen there), and the calibration's evidence
-    is ``expected_tokens`` of the verified nodes."""
+    (``decide_every_depth``), is the plain-Python reference's (``reference_next_plan``: the best-rated round
+    among the depths drafted and one more) on the pools the tree grew depth by depth, and the calibration's
+    evidence is ``expected_tokens`` of the verified nodes."""
     import torchspec.runtime.controlled_drafting as cd
     import torchspec.runtime.steps as steps
-    from torchspec.runtime.controller_policy import (
-        PROB_ONE,
-        decide_after_depth,
-        expected_tokens,
-        next_sampled_depth,
-    )
+    from torchspec.runtime.controller_policy import PROB_ONE, expected_tokens, reference_next_plan
     from torchspec.runtime.drafting import grow_dynamic_tree
     from torchspec.runtime.sampling import SamplingParams
 
     real, checked = cd.draft_ahead_tree, []
 
     def depth_by_depth(runner, cache, inp, spec, costs):
-        go, widths, scale = [], [], costs.calibration.scale()
-        for depth, pool in enumerate(grow_dynamic_tree(runner, cache, inp, spec, SamplingParams(), frontier_at_last=True)):
-            d = decide_after_depth(torch.cat(pool.sc, 1), pool.front_sc, pool.front_edge(), depth, costs.depth_ms,
-                                   costs.verify_ms, inp.row_valid, scale, ahead=True)
-            go.append(d.go)
-            widths.append(d.width)
-        nxt = int(next_sampled_depth(torch.stack(go), costs.depth_ms.shape[0]))
+        pools, scale = [], costs.calibration.scale()
+        for pool in grow_dynamic_tree(runner, cache, inp, spec, SamplingParams(), frontier_at_last=True):
+            pools.append(torch.cat(pool.sc, 1).tolist())
+        want = reference_next_plan(pools, pool.front_sc.tolist(), pool.front_edge().tolist(), costs.depth_ms.tolist(),
+                                   costs.verify_ms.tolist(), inp.row_valid.tolist(), int(scale))
         drafted = int(expected_tokens(torch.cat(pool.sc, 1), costs.plan[1], inp.row_valid)[-1]) \
             - int(inp.row_valid.sum()) * PROB_ONE
-        return [nxt, int(widths[min(nxt, len(widths)) - 1])], drafted / PROB_ONE
+        return list(want), drafted / PROB_ONE
 
     def compared(runner, cache, inp, spec, costs):
         want, pending = depth_by_depth(runner, cache, inp, spec, costs)

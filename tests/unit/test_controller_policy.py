@@ -24,6 +24,7 @@ from torchspec.runtime.controller_policy import (
     next_sampled_depth,
     reference_decide_after_depth,
     reference_expected_tokens,
+    reference_next_plan,
     reference_next_sampled_depth,
     reference_verify_width,
     verify_width,
@@ -263,13 +264,14 @@ def test_a_drafter_whose_confidence_is_never_borne_out_decodes_plainly():
 
 def test_every_depth_at_once_decides_like_each_depth_alone():
     """Ahead mode evaluates the criterion after all of a round's depths at once (``decide_every_depth``): the same
-    go flags and widths as ``decide_after_depth(ahead=True)`` after each depth, and the calibration's expected
+    go flags and widths as ``decide_after_depth(ahead=True)`` after each depth, the next round's plan as
+    ``reference_next_plan`` (the best-rated depth, drafted or one more), and the calibration's expected
     drafted tokens as ``expected_tokens``, bit for bit, on random rounds (trees and chains, padded rows,
     calibrated or not, tables deeper than the round or exactly as deep)."""
     from torchspec.runtime.controller_policy import decide_every_depth
 
     gen = torch.Generator().manual_seed(4)
-    seen_go, seen_width = set(), set()
+    seen_go, seen_width, seen_plan = set(), set(), set()
     for i in range(300):
         rows, k = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
         drafted = int(torch.randint(1, 6, (1,), generator=gen))
@@ -280,20 +282,26 @@ def test_every_depth_at_once_decides_like_each_depth_alone():
         valid = torch.rand(rows, generator=gen) < 0.85
         scale = None if i % 3 == 0 else torch.tensor(int(torch.randint(0, 2 * SCALE_ONE, (1,), generator=gen)))
         sharp = float(torch.rand(1, generator=gen)) * 8
-        pools, children, sizes, want_go, want_width = [], [], [], [], []
+        pools, children, sizes, want_go, want_width, each_pool = [], [], [], [], [], []
         for depth in range(drafted):  # depth d's tree is the prefix of the next one's (the same seed)
             pool, front, edge = draft_scores(torch.Generator().manual_seed(i), rows, k, depth, 50, sharp)
             got = decide_after_depth(pool, front, edge, depth, depth_ms, verify_ms, valid, scale, ahead=True)
             want_go.append(bool(got.go))
             want_width.append(int(got.width))
+            each_pool.append(pool.tolist())
             children.append(front.double() + edge.double())
             sizes.append(pool.shape[1])
             pools = pool
         verified = int(torch.randint(0, min(pools.shape[1], n_max) + 1, (1,), generator=gen))
         plan = decide_every_depth(pools, sizes, torch.stack(children), depth_ms, verify_ms, valid, scale, verified)
         assert plan.go.tolist() == want_go and plan.width.tolist() == want_width, (i, rows, k, drafted, d_max, n_max)
+        want_plan = reference_next_plan(each_pool, front.tolist(), edge.tolist(), depth_ms.tolist(), verify_ms.tolist(),
+                                        valid.tolist(), None if scale is None else int(scale))
+        assert (int(plan.next_depth), int(plan.next_width)) == want_plan
+        seen_plan.add(want_plan)
         expect = int(expected_tokens(pools, verified, valid)[-1]) - int(valid.sum()) * PROB_ONE
         assert int(plan.drafted) == expect
         seen_go.update(want_go)
         seen_width.update(want_width)
     assert seen_go == {True, False} and len(seen_width) > 8
+    assert len({d for d, _ in seen_plan}) >= 4 and len({w for _, w in seen_plan}) > 8  # every depth, one more too

@@ -21,8 +21,11 @@ tree does. Rounds with deterministic candidates at T > 0 keep ``spec``'s fixed s
 a round drafts the (depth, width) planned for it, as a fixed shape, and after drafting it evaluates the
 criterion at each of its depths on its own scores (``decide_after_depth``, the frontier kept even at its
 last depth, ``grow_dynamic_tree(frontier_at_last=True)``): the next round drafts up to the depth where it
-stopped (one more when it never did, as sampled rounds do) and verifies the width chosen there, restricted
-to the node counts the table measured. The plan is two ints in the round's output, read by the host with
+rated best and verifies the width chosen there: among the depths drafted and one more (its children
+predicted as the go criterion predicts them), the round of the highest expected tokens per ms
+(``RoundPlan.next_depth``, ``next_width``; restricted to the node counts the table measured). Planning the
+first depth where the criterion stopped instead kept a probe whose depth 0 alone did not pay in plain
+streaks, and cut a deep round back to depth 1 after one hard first token. The plan is two ints in the round's output, read by the host with
 the committed tokens in the round's one sync: the host never waits inside a round, and every planned shape
 is a static round that CUDA graphs capture (one per (depth, width) and batch). A planned width 0 starts a
 plain streak: its first round (a probe) drafts depth 0 alone (the top-k of the drafter state the catch-up
@@ -319,10 +322,8 @@ def draft_ahead_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInput
     m = costs.plan[1]
     plan = decide_every_depth(torch.cat(pool.sc, 1), sizes, torch.stack(children), costs.depth_ms, costs.verify_ms,
                               inp.row_valid, costs.calibration.scale(), m)
-    next_depth = next_sampled_depth(plan.go, costs.depth_ms.shape[0])  # where it stopped, or one more
-    at = (next_depth - 1).clamp(max=len(sizes) - 1).reshape(1)  # where it stopped (a gather: no host read)
     costs.calibration.pending = plan.drafted.double() / PROB_ONE  # what the verified nodes' confidence expects
-    return pool.tree(inp.root, m), torch.stack([next_depth, plan.width.gather(0, at)[0]])
+    return pool.tree(inp.root, m), torch.stack([plan.next_depth, plan.next_width])
 
 
 def _expect(costs: RoundCosts, scores: torch.Tensor, m: int, row_valid: torch.Tensor) -> None:

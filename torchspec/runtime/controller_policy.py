@@ -178,6 +178,8 @@ class RoundPlan(NamedTuple):
 
     go: torch.Tensor  # [D] bool: the criterion after each drafted depth (False at the table's last depth)
     width: torch.Tensor  # [D] int64: the width chosen had drafting ended there
+    next_depth: torch.Tensor  # 0-d int64: the depths the next round drafts (ahead mode's plan)
+    next_width: torch.Tensor  # 0-d int64: ... and the width it verifies
     drafted: torch.Tensor  # 0-d int64: the drafted tokens the ``verified`` best nodes expect, unscaled (fixed point)
 
 
@@ -223,7 +225,12 @@ def decide_every_depth(pool_logp: torch.Tensor, sizes: list[int], children_logp:
     capped = torch.arange(d, device=dev) + 1 >= depth_ms.shape[0]  # the table's last depth never goes deeper
     go = (deeper.max(1).values > rate.max(1).values) & ~capped
     drafted = unscaled[-1, verified - 1] if verified > 0 else unscaled.new_zeros(())
-    return RoundPlan(go, torch.argmax(rate, 1), drafted)
+    # the next round: the depth count whose best round rates highest among the D drafted and one more (its
+    # children predicted; not past the table's last depth), ties to the shallower, with that round's best width
+    options = torch.cat([rate.max(1).values, torch.where(capped[-1:], -1.0, deeper[-1:].max(1).values)])  # [D + 1]
+    at = torch.argmax(options)  # the first maximum
+    widths = torch.cat([torch.argmax(rate, 1), torch.argmax(deeper[-1:], 1)])  # [D + 1]
+    return RoundPlan(go, widths[:d], at + 1, widths[at], drafted)
 
 
 def _below(n: int, limits: list[int], dev: torch.device) -> torch.Tensor:
@@ -315,6 +322,26 @@ def reference_decide_after_depth(pool: list[list[float]], frontier: list[list[fl
     return width, not go, go
 
 
+def reference_next_plan(pools: list[list[list[float]]], frontier: list[list[float]],
+                        frontier_edge: list[list[float]], depth_ms: list[float], verify_ms: list[float],
+                        row_valid: list[bool], scale: int | None = None) -> tuple[int, int]:
+    """(depths, width) of the next round planned ahead (``RoundPlan.next_depth``, ``next_width``): ``pools[d]``
+    the pool after depth d, ``frontier`` / ``frontier_edge`` those of the last depth drafted."""
+    best, best_rate = (1, 0), -1.0
+    for d, pool in enumerate(pools):
+        width, rate = _ref_best(reference_expected_tokens(pool, len(verify_ms) - 1, row_valid, scale), d, depth_ms,
+                                verify_ms, True)
+        if rate > best_rate:  # strict: a tie keeps the shallower round
+            best, best_rate = (d + 1, width), rate
+    if len(pools) < len(depth_ms):  # one more depth, its children predicted
+        grown = [row + [c + e for c, e in zip(cs, es)] for row, cs, es in zip(pools[-1], frontier, frontier_edge)]
+        width, rate = _ref_best(reference_expected_tokens(grown, len(verify_ms) - 1, row_valid, scale), len(pools),
+                                depth_ms, verify_ms, True)
+        if rate > best_rate:
+            best = (len(pools) + 1, width)
+    return best
+
+
 def reference_next_sampled_depth(go_flags: list[bool], max_depth: int) -> int:
     for d, go in enumerate(go_flags):
         if not go:
@@ -324,4 +351,5 @@ def reference_next_sampled_depth(go_flags: list[bool], max_depth: int) -> int:
 
 __all__ = ["PROB_ONE", "SCALE_ONE", "INITIAL_SAMPLED_DEPTH", "Decision", "RoundPlan", "check_costs", "expected_tokens",
            "verify_width", "decide_after_depth", "decide_every_depth", "next_sampled_depth", "chain_depth_for_batch",
-           "reference_expected_tokens", "reference_verify_width", "reference_decide_after_depth", "reference_next_sampled_depth"]
+           "reference_expected_tokens", "reference_verify_width", "reference_decide_after_depth", "reference_next_plan",
+           "reference_next_sampled_depth"]
