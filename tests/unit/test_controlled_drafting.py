@@ -275,8 +275,8 @@ def _probe_rounds(n: int) -> list[int]:
 
 
 def test_probe_streaks_double_while_width_0_and_reset_after_a_verifying_round(engine):
-    """An untrained drafter's probes: rounds 0, 8, 24, 56, 88, ... (streaks 8, 16, 32, 32); a plan that verifies
-    resets the streak, so the next width-0 plan probes at once and then after 8 rounds again."""
+    """An untrained drafter's probes: rounds 0, 8, 24, 56, 120, ... (streaks 8, 16, 32, 64, 64); a plan that
+    verifies resets the streak, so the next width-0 plan probes at once and then after 8 rounds again."""
     from torchspec.runtime.controlled_drafting import PLAIN_ROUND, PROBE_EVERY, PROBE_MOST, Controller
     from torchspec.runtime.sampling import SamplingParams
 
@@ -292,14 +292,29 @@ def test_probe_streaks_double_while_width_0_and_reset_after_a_verifying_round(en
         return got
 
     first = rounds(130, [1, 0])
-    assert [i for i, p in enumerate(first) if p != PLAIN_ROUND] == _probe_rounds(130) == [0, 8, 24, 56, 88, 120]
-    assert PROBE_MOST == 32 and PROBE_EVERY == 8
-    rounds(10 - 1, [1, 0])  # 130 .. 138: plain (the streak from 120 runs to 152)
+    assert [i for i, p in enumerate(first) if p != PLAIN_ROUND] == _probe_rounds(130) == [0, 8, 24, 56, 120]
+    assert PROBE_MOST == 64 and PROBE_EVERY == 8
+    rounds(10 - 1, [1, 0])  # 130 .. 138: plain (the streak from 120 runs to 184)
     assert rounds(1, [2, 3]) == [PLAIN_ROUND]  # the plan it asks for waits for the probe ...
     ctl.next_plan = (2, 3)  # ... a verifying plan arrives (as a probe's would)
     assert rounds(1, [1, 0]) == [(2, 3)]
     again = rounds(20, [1, 0])
     assert [i for i, p in enumerate(again) if p != PLAIN_ROUND] == [0, 8]  # short streaks again
+
+
+def test_a_later_configure_with_the_same_table_continues_the_probe_schedule(engine, plain, tiny_tokenizer):
+    """Several generate calls with one table (a bench's runs, a long-lived server): the second controller goes on
+    with the first one's plain streak, so the probes of both calls together are one schedule's, not a fresh
+    probe and short streaks each call; a new table starts over."""
+    from torchspec.runtime.controlled_drafting import PLAIN_ROUND
+
+    costs = table(engine, depth=0.01, verify_per_node=50.0)
+    traces = [run(engine, tiny_tokenizer, 1, SPECS[0], costs, "ahead")[1] for _ in range(3)]
+    joined = [p for t in traces for p in t]
+    assert [i for i, p in enumerate(joined) if p != PLAIN_ROUND] == _probe_rounds(len(joined))
+    assert traces[1][0] == PLAIN_ROUND  # mid-streak: no probe to start the call
+    fresh = run(engine, tiny_tokenizer, 1, SPECS[0], table(engine, depth=0.01, verify_per_node=50.0), "ahead")[1]
+    assert fresh[0] != PLAIN_ROUND and [i for i, p in enumerate(fresh) if p != PLAIN_ROUND] == _probe_rounds(len(fresh))
 
 
 def test_every_round_pays_the_tables_host_time(engine):

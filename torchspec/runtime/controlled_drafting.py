@@ -32,7 +32,7 @@ plain streak: its first round (a probe) drafts depth 0 alone (the top-k of the d
 already computed), verifies the root and its best candidate (``PROBE_WIDTH``: a probe that verified nothing gave
 the calibration no evidence, so a drafter less confident than it is right was never verified again) and decides
 again; the next ``PROBE_EVERY - 1`` run plain steps (twice as many after each probe that plans width 0
-again, up to ``PROBE_MOST - 1``: an untrained drafter's probes cost ~1/32 of the rounds, not 1/8; any round
+again, up to ``PROBE_MOST - 1``: an untrained drafter's probes cost ~1/64 of the rounds, not 1/8; any round
 that verifies resets the streak) whose drafter entries are deferred (``steps.plain_step_deferring_drafter``,
 ``pending_drafter.py``) until the next round that drafts catches up on them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the
 round, after every depth, on the host (one sync a depth): the same criterion on the round's own
@@ -83,7 +83,7 @@ MODES = ("ahead", "within")
 PLAIN_ROUND = (0, 0)  # ahead mode's plan for a round that drafts nothing (steps.plain_step_deferring_drafter)
 PROBE_EVERY = 8  # while the plan is width 0, the first round and the PROBE_EVERY-th after draft depth 0 and decide
 PROBE_WIDTH = 1  # a probe verifies this many nodes (an underconfident drafter is found out only by verifying it)
-PROBE_MOST = 32  # ... the streak between probes doubling after each probe that plans width 0 again, up to this
+PROBE_MOST = 64  # ... the streak between probes doubling after each probe that plans width 0 again, up to this
 CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP tokens of context) and kept
 DENSE_WIDTHS = 8  # ahead mode verifies any width up to this; beyond it, only the node counts the table measured
 UNMEASURED_MS = 1e9  # the verify cost of a width beyond DENSE_WIDTHS the table did not measure (never chosen)
@@ -231,6 +231,16 @@ class Controller:
         self._widths = sorted({*range(DENSE_WIDTHS + 1), *table.nodes})  # the widths ahead mode may verify
         empty = torch.zeros(0, device=calibration.accepted.device)  # a plain round reads no cost
         self._plain = RoundCosts(empty, empty, calibration, self.trace, plan=PLAIN_ROUND)
+
+    def continue_from(self, last: Controller) -> None:
+        """Go on where the ``last`` controller of the same table left its plans (an engine serving across several
+        ``configure`` calls, as the bench's runs and a long-lived server do): the next greedy plan, the probe
+        schedule of a plain streak and the sampled depth, when mode, spec and chain rule are the same. A fresh
+        controller would start over with a probe and short streaks every call, as if nothing had been learnt
+        about the drafter (the calibration, which is kept, already says what it is worth)."""
+        if (last.mode, last.spec, last.chain_from_batch) == (self.mode, self.spec, self.chain_from_batch):
+            self.next_plan, self.plain_left, self.streak = last.next_plan, last.plain_left, last.streak
+            self.sampled_depth = last.sampled_depth
 
     def _lookup(self, spec: SpecConfig, batch: int, ctx: int, sampled: bool) -> RoundCosts:
         """``RoundCosts.lookup`` (``lookup_sampled``) at ``ctx`` rounded down to ``CTX_STEP``, kept per key: each

@@ -103,7 +103,8 @@ class SpeculativeEngine:
             raise ValueError("cuda_graphs=True needs the engine on a CUDA device.")
         self.graphs = StepGraphs() if cuda_graphs else None
         self.decode_rounds = 0  # decode rounds run so far (batched: one per step with running rows)
-        self._calibrated: tuple[CostTable, Calibration] | None = None  # the last controller table's calibration
+        # the last controller table's calibration and its latest controller (whose plans the next one continues)
+        self._calibrated: tuple[CostTable, Calibration, Controller | None] | None = None
         self.configure()
 
     # --- request API ------------------------------------------------------------------------------
@@ -145,8 +146,11 @@ class SpeculativeEngine:
         ctl = None
         if controller is not None:  # the drafter's calibration lives as long as its cost table (plain runs between)
             if self._calibrated is None or self._calibrated[0] is not controller:
-                self._calibrated = (controller, Calibration(self.device))
+                self._calibrated = (controller, Calibration(self.device), None)
             ctl = Controller(controller, spec, self._calibrated[1], chain_from_batch, controller_mode)
+            if self._calibrated[2] is not None:
+                ctl.continue_from(self._calibrated[2])
+            self._calibrated = (controller, self._calibrated[1], ctl)
         self.spec, self.controller = spec, ctl
         self._per_round_of = {greedy: self._kv_per_round(spec, greedy) for greedy in (True, False)}
         self.scheduler.concurrency = concurrency
