@@ -25,7 +25,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from torchspec.io import atomic_write_text  # noqa: E402
-from torchspec.runtime.controlled_drafting import Calibration, Controller, RoundCosts  # noqa: E402
+from torchspec.runtime.calibration import Calibration  # noqa: E402
+from torchspec.runtime.controlled_drafting import Controller, RoundCosts  # noqa: E402
 from torchspec.runtime.cost_table import CostKey, CostTable  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig  # noqa: E402
 from torchspec.runtime.sampling import SamplingParams  # noqa: E402

@@ -104,7 +104,8 @@ def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]
     """The draft controller's ahead-mode rounds against the fixed tree of the same (depth, width): what deciding
     on the GPU adds (the criterion at every depth, the next round's plan, the calibration's evidence), and its
     plain round (a plain step that defers the drafter's entry)."""
-    from torchspec.runtime.controlled_drafting import Calibration, RoundCosts
+    from torchspec.runtime.calibration import Calibration
+    from torchspec.runtime.controlled_drafting import RoundCosts
     from torchspec.runtime.drafting import SpecConfig
     from torchspec.runtime.sampling import SamplingParams
     from torchspec.runtime.steps import plain_step_deferring_drafter, speculate

@@ -16,7 +16,8 @@ import torch
 
 from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
-from torchspec.runtime.controlled_drafting import MODES, Calibration
+from torchspec.runtime.calibration import Calibration
+from torchspec.runtime.controlled_drafting import MODES
 from torchspec.runtime.controller_policy import SCALE_ONE
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafting import SpecConfig
@@ -131,6 +132,10 @@ def test_bad_controller_configurations_are_refused(engine):
         engine.configure(spec=SpecConfig(shape="tree", depth=4, topk=3, num_nodes=20), controller=costs)
     with pytest.raises(ValueError, match="controller mode='sideways' must be one of"):
         engine.configure(spec=SPECS[0], controller=costs, controller_mode="sideways")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHSPEC_CONTROLLER_DECIDE", "host")
+        with pytest.raises(ValueError, match="TORCHSPEC_CONTROLLER_DECIDE='host' is not a way to decide"):
+            engine.configure(spec=SPECS[0], controller=costs)
     engine.configure()  # plain again: the fixture's engine stays usable
 
 

@@ -17,35 +17,25 @@ evaluated after the round on its own tree (``sampled_go_flags``: each level's no
 probability their draft distribution gave them) and verifies every drafted node, as the fixed sampled
 tree does. Rounds with deterministic candidates at T > 0 keep ``spec``'s fixed shape.
 
-**Two modes.** ``"ahead"`` (the default) decides each greedy round's shape one round ahead, on the GPU:
-a round drafts the (depth, width) planned for it, as a fixed shape, and after drafting it evaluates the
-criterion at each of its depths on its own scores (``decide_after_depth``, the frontier kept even at its
-last depth, ``grow_dynamic_tree(frontier_at_last=True)``): the next round drafts up to the depth where it
-rated best and verifies the width chosen there: among the depths drafted and one more (its children
-predicted as the go criterion predicts them), the round of the highest expected tokens per ms
-(``RoundPlan.next_depth``, ``next_width``; restricted to the node counts the table measured). Planning the
-first depth where the criterion stopped instead kept a probe whose depth 0 alone did not pay in plain
-streaks, and cut a deep round back to depth 1 after one hard first token. The plan is two ints in the round's output, read by the host with
-the committed tokens in the round's one sync: the host never waits inside a round, and every planned shape
-is a static round that CUDA graphs capture (one per (depth, width) and batch). A planned width 0 starts a
-plain streak: its first round (a probe) drafts depth 0 alone (the top-k of the drafter state the catch-up
-already computed), verifies the root and its best candidate (``PROBE_WIDTH``: a probe that verified nothing gave
-the calibration no evidence, so a drafter less confident than it is right was never verified again) and decides
-again; the next ``PROBE_EVERY - 1`` run plain steps (twice as many after each probe that plans width 0
-again, up to ``PROBE_MOST - 1``: an untrained drafter's probes cost ~1/64 of the rounds, not 1/8; any round
-that verifies resets the streak) whose drafter entries are deferred (``steps.plain_step_deferring_drafter``,
-``pending_drafter.py``) until the next round that drafts catches up on them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the
-round, after every depth, on the host (one sync a depth): the same criterion on the round's own
-frontier, without CUDA graphs (``SpeculativeEngine(cuda_graphs=False)``). Device-chained per-depth graphs
-(a one-thread kernel launching the next depth's graph) are not built.
+**Two modes.** ``"ahead"`` (the default) decides each greedy round's shape one round ahead, on the GPU: a
+round drafts its planned (depth, width) as a fixed shape (``grow_dynamic_tree(frontier_at_last=True)``), then
+evaluates the criterion at each of its depths on its own scores and plans the next round: among the depths
+drafted and one more (its children predicted as the go criterion predicts them), the (depth, width) of the
+highest expected tokens per ms (``decide_every_depth``: ``RoundPlan.next_depth``, ``next_width``; widths
+beyond ``DENSE_WIDTHS`` only where the table measured them). On CUDA that decision is one Triton kernel
+(``decide_triton.py``, bit for bit the tensor version's; ~70 small kernels cost as much as a draft depth).
+The plan is two ints in the round's output, read with the committed tokens in the round's one sync: the host
+never waits inside a round, and every planned shape is a static round that CUDA graphs capture. A planned
+width 0 starts a plain streak: its first round (a probe) drafts depth 0 alone, verifies the root and its best
+candidate (``PROBE_WIDTH``: a probe that verified nothing gave the calibration no evidence) and decides
+again; the next ``PROBE_EVERY - 1`` rounds are plain steps (twice as many after each probe that plans width 0
+again, up to ``PROBE_MOST - 1``; a round that verifies resets the streak) whose drafter entries are deferred
+(``steps.plain_step_deferring_drafter``, ``pending_drafter.py``) until the next drafting round catches up on
+them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the round, after every depth, on the
+host (one sync a depth), without CUDA graphs. Device-chained per-depth graphs are not built.
 
-**Calibration.** The drafter's confidence is the controller's only estimate of acceptance, and a
-drafter can be confidently wrong (an untrained one whose head is the target's). ``Calibration`` keeps,
-on the device, decayed sums of the drafted tokens the verified nodes' confidence expected and of those
-actually accepted; their ratio (with a small prior at 1, so that without evidence it drifts back to 1
-and the controller probes again) scales the expectation in every decision
-(``controller_policy``'s ``scale``). An untrained drafter is verified for a round or two, then almost
-never.
+**Calibration** (``calibration.py``) scales the drafter's confidence by how far it has been borne out,
+so an untrained drafter is verified for a round or two, then almost never.
 
 Every decision keeps verification lossless: the verified set is the best ``width`` nodes by cumulative
 score under a stable sort, which is ancestor-closed exactly as the fixed tree's ``num_nodes`` best are,
@@ -57,14 +47,16 @@ decision the controller takes: widths 0 .. N and stops at every depth).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import torch
 
+from torchspec.runtime.calibration import Calibration
 from torchspec.runtime.controller_policy import (
     INITIAL_SAMPLED_DEPTH,
     PROB_ONE,
-    SCALE_ONE,
+    RoundPlan,
     decide_after_depth,
     decide_every_depth,
     expected_tokens,
@@ -87,37 +79,7 @@ PROBE_MOST = 64  # ... the streak between probes doubling after each probe that 
 CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP tokens of context) and kept
 DENSE_WIDTHS = 8  # ahead mode verifies any width up to this; beyond it, only the node counts the table measured
 UNMEASURED_MS = 1e9  # the verify cost of a width beyond DENSE_WIDTHS the table did not measure (never chosen)
-
-
-class Calibration:
-    """Decayed evidence of how far the drafter's confidence is borne out (module docstring): per round
-    ``accepted = decay * accepted + drafted tokens accepted`` and ``expected = decay * expected + their
-    expectation by confidence``; the scale is ``(accepted + prior) / (expected + prior)``, at most
-    ``most``. Defaults: evidence halves in ~14 rounds; an untrained drafter that expected ~3 tokens and got
-    none is scaled to ~0.08 and probed again after ~50 rounds."""
-
-    def __init__(self, device: torch.device, decay: float = 0.95, prior: float = 0.25, most: float = 4.0):
-        if not (0 < decay < 1 and prior > 0 and most >= 1):
-            raise ValueError(f"Calibration(decay={decay}, prior={prior}, most={most}): need 0 < decay < 1, "
-                             f"prior > 0 and most >= 1.")
-        self.decay, self.prior, self.most = decay, prior, most
-        self.accepted = torch.zeros((), dtype=torch.float64, device=device)
-        self.expected = torch.zeros((), dtype=torch.float64, device=device)
-        self.pending: torch.Tensor | None = None  # this round's expectation, until its verification
-
-    def scale(self) -> torch.Tensor:
-        """0-d int64 in units of SCALE_ONE (no host read)."""
-        ratio = ((self.accepted + self.prior) / (self.expected + self.prior)).clamp(max=self.most)
-        return torch.round(ratio * SCALE_ONE).long()
-
-    def observe(self, accepted: torch.Tensor, row_valid: torch.Tensor) -> None:
-        """After verification: ``accepted`` [B] drafted tokens accepted per row (live rows count; a round without
-        any, a CUDA-graph warm-up on idle inputs, leaves the evidence as it was)."""
-        assert self.pending is not None, "observe follows a controlled round's draft"
-        decay = torch.where(row_valid.any(), self.decay, 1.0).double()
-        self.accepted.mul_(decay).add_((accepted * row_valid).sum().double())
-        self.expected.mul_(decay).add_(self.pending)
-        self.pending = None
+DECIDE_ENV = "TORCHSPEC_CONTROLLER_DECIDE"  # "fused" (default: one Triton kernel on CUDA) or "tensor"
 
 
 @dataclass
@@ -216,6 +178,7 @@ class Controller:
             raise ValueError(f"chain_from_batch={chain_from_batch} must be >= 1 (or None: always the tree).")
         if mode not in MODES:
             raise ValueError(f"controller mode={mode!r} must be one of {MODES}.")
+        decide_how()  # a bad TORCHSPEC_CONTROLLER_DECIDE is refused at configure, not inside a round
         self.table, self.spec, self.calibration, self.chain_from_batch = table, spec, calibration, chain_from_batch
         self.mode = mode
         self.chain = dataclasses.replace(spec, shape="chain")
@@ -330,10 +293,36 @@ def draft_ahead_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInput
         children.append(pool.front_sc.double() + pool.front_edge().double())  # each frontier node's predicted child
         sizes.append(sum(sc.shape[1] for sc in pool.sc))  # static: the nodes drafted up to this depth
     m = costs.plan[1]
-    plan = decide_every_depth(torch.cat(pool.sc, 1), sizes, torch.stack(children), costs.depth_ms, costs.verify_ms,
-                              inp.row_valid, costs.calibration.scale(), m)
-    costs.calibration.pending = plan.drafted.double() / PROB_ONE  # what the verified nodes' confidence expects
+    plan = _decide_ahead(torch.cat(pool.sc, 1), sizes, torch.stack(children), costs, inp.row_valid, m)
     return pool.tree(inp.root, m), torch.stack([plan.next_depth, plan.next_width])
+
+
+def decide_how() -> str:
+    """How ahead mode decides on CUDA (``TORCHSPEC_CONTROLLER_DECIDE``): "fused" (default) or "tensor"."""
+    how = os.environ.get(DECIDE_ENV, "fused")
+    if how not in ("fused", "tensor"):
+        raise ValueError(f"{DECIDE_ENV}={how!r} is not a way to decide: set it to 'fused' (the default) or 'tensor'.")
+    return how
+
+
+def _decide_ahead(pool_logp: torch.Tensor, sizes: list[int], children: torch.Tensor, costs: RoundCosts,
+                  row_valid: torch.Tensor, m: int) -> RoundPlan:
+    """``decide_every_depth`` with the calibration's scale, and the evidence the ``m`` verified nodes expect
+    (``calibration.pending``): on CUDA in one Triton launch (``decide_triton.py``; the same decisions bit for
+    bit), else as tensor operations; ``TORCHSPEC_CONTROLLER_DECIDE=tensor`` forces the latter (to compare)."""
+    if decide_how() == "fused" and pool_logp.is_cuda:
+        from torchspec.runtime.decide_triton import (  # CUDA builds ship Triton
+            decide_every_depth_fused,
+            fused_sizes,
+        )
+        if fused_sizes(sizes) is not None:
+            plan, costs.calibration.pending = decide_every_depth_fused(
+                pool_logp, sizes, children, costs.depth_ms, costs.verify_ms, row_valid, costs.calibration, m)
+            return plan
+    plan = decide_every_depth(pool_logp, sizes, children, costs.depth_ms, costs.verify_ms, row_valid,
+                              costs.calibration.scale(), m)
+    costs.calibration.pending = plan.drafted.double() / PROB_ONE  # what the verified nodes' confidence expects
+    return plan
 
 
 def _expect(costs: RoundCosts, scores: torch.Tensor, m: int, row_valid: torch.Tensor) -> None:
@@ -395,5 +384,5 @@ def next_depth_after_sampled(tree: DraftTree, depth: int, costs: RoundCosts, row
     return torch.stack([next_depth, torch.zeros_like(next_depth)])
 
 
-__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Calibration", "Controller", "RoundCosts",
-           "check_table_for", "draft_ahead_tree", "draft_controlled_tree", "next_depth_after_sampled", "sampled_go_flags"]
+__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Controller", "RoundCosts",
+           "check_table_for", "decide_how", "draft_ahead_tree", "draft_controlled_tree", "next_depth_after_sampled", "sampled_go_flags"]

@@ -37,7 +37,8 @@ import math
 
 import torch
 
-from torchspec.runtime.controlled_drafting import PROBE_MOST, Calibration, Controller
+from torchspec.runtime.calibration import Calibration
+from torchspec.runtime.controlled_drafting import PROBE_MOST, Controller
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import SpecConfig

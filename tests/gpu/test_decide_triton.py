@@ -1,0 +1,134 @@
+"""The fused decision kernel (``decide_triton.decide_every_depth_fused``) decides as the tensor version and the reference.
+
+Runs on CUDA, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1`` with triton importable; the CPU torch
+wheel has none), e.g.
+
+    PYTHONPATH=<dir holding triton> TRITON_INTERPRET=1 python -m pytest --noconftest -q tests/gpu/test_decide_triton.py
+
+Random rounds (trees and chains, 1-64 rows, dead rows, tables as deep as the round or deeper, calibrated by a
+Calibration's decayed sums or not, every verified width) and edge cases (-inf nodes, tied rates, every row
+dead, a width-0 table): the go flags, widths, the next round's plan, the verified nodes' expectation and the
+calibration's pending evidence equal ``controller_policy.decide_every_depth`` (with ``Calibration.scale()``)
+and ``reference_next_plan`` bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA, or TRITON_INTERPRET=1 with triton")
+DEV = torch.device("cuda" if CUDA else "cpu")
+
+
+def _calibration(gen: torch.Generator, prior: float = 0.25, most: float = 4.0):
+    from torchspec.runtime.calibration import Calibration
+
+    cal = Calibration(DEV, prior=prior, most=most)
+    cal.accepted.fill_(float(torch.rand(1, generator=gen)) * 6)
+    cal.expected.fill_(float(torch.rand(1, generator=gen)) * 6)
+    return cal
+
+
+def _round(gen: torch.Generator, i: int, rows: int, k: int, drafted: int, sharp: float):
+    from test_controller_policy import draft_scores
+
+    pools, children, sizes, each_pool = None, [], [], []
+    for depth in range(drafted):  # depth d's tree is the prefix of the next one's (the same seed)
+        pool, front, edge = draft_scores(torch.Generator().manual_seed(i), rows, k, depth, 50, sharp)
+        each_pool.append(pool.tolist())
+        children.append(front.double() + edge.double())
+        sizes.append(pool.shape[1])
+        pools = pool
+    return pools, sizes, torch.stack(children), each_pool, front, edge
+
+
+def _compare(pools, sizes, children, depth_ms, verify_ms, valid, cal, verified):
+    from torchspec.runtime.controller_policy import decide_every_depth
+    from torchspec.runtime.decide_triton import decide_every_depth_fused
+
+    scale = None if cal is None else cal.scale()
+    want = decide_every_depth(pools.to(DEV), sizes, children.to(DEV), depth_ms.to(DEV), verify_ms.to(DEV),
+                              valid.to(DEV), scale, verified)
+    got, pending = decide_every_depth_fused(pools.to(DEV), sizes, children.to(DEV), depth_ms.to(DEV),
+                                            verify_ms.to(DEV), valid.to(DEV), cal, verified)
+    assert got.go.tolist() == want.go.tolist()
+    assert got.width.tolist() == want.width.tolist()
+    assert (int(got.next_depth), int(got.next_width)) == (int(want.next_depth), int(want.next_width))
+    assert int(got.drafted) == int(want.drafted)
+    assert float(pending) == float(want.drafted.double() / (1 << 20))
+    return want
+
+
+def test_random_rounds_decide_as_the_tensor_version_and_the_reference():
+    from torchspec.runtime.controller_policy import reference_next_plan
+
+    gen = torch.Generator().manual_seed(7)
+    seen_plan, seen_go = set(), set()
+    for i in range(120 if CUDA else 40):
+        rows = int(torch.randint(1, 65 if i % 4 == 0 else 9, (1,), generator=gen))
+        k = 1 if i % 5 == 0 else int(torch.randint(2, 9, (1,), generator=gen))  # a chain, or a k-wide tree
+        drafted = int(torch.randint(1, 6, (1,), generator=gen))
+        d_max = drafted + int(torch.randint(0, 2, (1,), generator=gen))
+        n_max = int(torch.randint(0, 40, (1,), generator=gen))
+        depth_ms = (0.02 + torch.rand(d_max, generator=gen) * 0.5).double()
+        verify_ms = (1 + torch.cumsum(torch.rand(n_max + 1, generator=gen) * 0.3 - 0.05, 0).clamp(min=0.01)).double()
+        valid = torch.rand(rows, generator=gen) < 0.85
+        cal = None if i % 3 == 0 else _calibration(gen)
+        sharp = float(torch.rand(1, generator=gen)) * 8
+        pools, sizes, children, each_pool, front, edge = _round(gen, i, rows, k, drafted, sharp)
+        verified = int(torch.randint(0, min(pools.shape[1], n_max) + 1, (1,), generator=gen))
+        want = _compare(pools, sizes, children, depth_ms, verify_ms, valid, cal, verified)
+        plan = reference_next_plan(each_pool, front.tolist(), edge.tolist(), depth_ms.tolist(), verify_ms.tolist(),
+                                   valid.tolist(), None if cal is None else int(cal.scale()))
+        assert (int(want.next_depth), int(want.next_width)) == plan
+        seen_plan.add(plan)
+        seen_go.update(want.go.tolist())
+    assert seen_go == {True, False} and len({d for d, _ in seen_plan}) >= 3 and len({w for _, w in seen_plan}) > 5
+
+
+@pytest.mark.parametrize("case", ["minus_inf", "ties", "all_dead", "width_0_table", "scale_apart"])
+def test_edge_cases(case):
+    gen = torch.Generator().manual_seed(11)
+    rows, k, drafted = 4, 3, 3
+    pools, sizes, children, *_ = _round(gen, 3, rows, k, drafted, 4.0)
+    depth_ms = torch.full((drafted + 1,), 0.1, dtype=torch.float64)
+    verify_ms = 1 + 0.01 * torch.arange(17, dtype=torch.float64)
+    valid = torch.ones(rows, dtype=torch.bool)
+    cal, verified = _calibration(gen), 4
+    if case == "minus_inf":  # nodes a round never drafted (masked rows of the pool) and children with no edge
+        pools[:, 1::2] = float("-inf")
+        children[:, :, 0] = float("-inf")
+    elif case == "ties":  # every node equally likely and every depth free: equal rates everywhere
+        pools.fill_(-1.0)
+        children.fill_(-2.0)
+        depth_ms.fill_(0.0)
+        verify_ms.fill_(1.0)
+    elif case == "all_dead":
+        valid.fill_(False)
+    elif case == "width_0_table":
+        verify_ms, verified = verify_ms[:1], 0
+    else:  # a prior that is no float32 constant: the kernel reads a scale computed apart
+        cal = _calibration(gen, prior=0.1)
+    _compare(pools, sizes, children, depth_ms, verify_ms, valid, cal, verified)
+
+
+def test_sizes_that_do_not_grow_by_one_step_are_refused():
+    from torchspec.runtime.decide_triton import decide_every_depth_fused, fused_sizes
+
+    assert fused_sizes([8, 16, 24]) == (8, 8) and fused_sizes([1, 2, 3]) == (1, 1) and fused_sizes([4]) == (4, 1)
+    assert fused_sizes([4, 12, 16]) is None
+    pool = torch.zeros(2, 16, device=DEV)
+    with pytest.raises(ValueError, match="one step a depth"):
+        decide_every_depth_fused(pool, [4, 12, 16], torch.zeros(3, 2, 4, dtype=torch.float64, device=DEV),
+                                 torch.ones(3, device=DEV), torch.ones(9, device=DEV),
+                                 torch.ones(2, dtype=torch.bool, device=DEV), None, 0)

@@ -1,0 +1,186 @@
+"""The draft controller's decision after a round, in one Triton kernel (ahead mode, on the GPU).
+
+``controller_policy.decide_every_depth`` evaluates the criterion after each of a round's D drafted depths and
+plans the next round in ~60 tensor operations, plus ~6 for the calibration's scale and 2 for its evidence:
+inside a CUDA graph each is a launch of a few microseconds, so at SmolLM2's size deciding cost about as much
+GPU time as a draft depth (the H200 cost table's whole round that verifies nothing was 0.5 ms above a plain
+step, the fixed depth-0 chain's real round 0.27 ms). ``decide_every_depth_fused`` does all of it in one
+program: the calibration's scale from its decayed sums, every drafted node's probability in fixed point,
+each depth's pool (and its predicted children) sorted per row and summed over the live rows, the expected
+tokens of every width, their rates against the costs, the go flags, the chosen widths, the next round's
+(depth, width) and the evidence its verified nodes expect.
+
+**The same decisions bit for bit.** Every step is the tensor version's arithmetic in the same types: float64
+``exp`` (libdevice's, which CUDA's own ``exp`` is), ``floor`` to int64 fixed point, costs rounded to integer
+nanoseconds half to even (``torch.round``), exact int64 sums in any order, one float64 division a rate, and
+the first maximum on ties. ``tests/gpu/test_decide_triton.py`` checks it against the tensor version and the
+plain-Python reference on random rounds and on the edge cases (dead rows, -inf nodes, tied rates, capped
+depths); under Triton's interpreter (CPU) the ``exp`` is NumPy's, which may differ by one float64 ulp.
+
+Shapes are static per graph: the pool's per-depth sizes must grow by the same step (the dynamic tree adds
+``k`` nodes a depth, the chain one), which the wrapper checks; anything else goes to the tensor version.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from torchspec.runtime.controller_policy import NS_PER_MS, PROB_ONE, SCALE_ONE, RoundPlan
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _exp64(x, EXACT: tl.constexpr):
+    if EXACT:
+        return libdevice.exp(x)  # CUDA's double exp (torch.exp's on the GPU)
+    return tl.exp(x)  # the interpreter's (NumPy)
+
+
+@triton.jit
+def _rint(y):
+    """float64 -> int64, half to even (``torch.round``); exact for |y| < 2**52."""
+    f = tl.floor(y)
+    frac = y - f
+    even = (f - 2.0 * tl.floor(f * 0.5)) == 0.0
+    return tl.where((frac > 0.5) | ((frac == 0.5) & ~even), f + 1.0, f).to(tl.int64)
+
+
+@triton.jit
+def _best_width(units, live_units, scale, drafted_ns, verify_ns, size, NMAX: tl.constexpr, n):
+    """One pool's rates: units [BB, BG] int64 (dead rows and absent nodes 0) -> (best rate, its width, the
+    unscaled expected drafted tokens of every width [BG]); widths up to the pool's ``size`` and ``NMAX``."""
+    ranked = tl.sort(units, dim=1, descending=True)  # [BB, BG]
+    per_rank = tl.sum(ranked, axis=0)  # [BG]: exact int64
+    unscaled = tl.cumsum(per_rank, axis=0) - per_rank  # width n: the n best of every row
+    tokens = live_units + unscaled * scale // SCALE_ONE
+    cost = tl.where(n == 0, verify_ns, drafted_ns + verify_ns)  # width 0: a plain round, which drafts nothing
+    rate = tokens.to(tl.float64) / cost.to(tl.float64)
+    rate = tl.where((n <= size) & (n <= NMAX), rate, -1.0)
+    best = tl.max(rate, axis=0)
+    width = tl.min(tl.where(rate == best, n, 1 << 30), axis=0)  # the first maximum: ties to the smaller width
+    return best, width, unscaled
+
+
+@triton.jit
+def _decide_kernel(
+    pool_ptr, children_ptr, depth_ms_ptr, verify_ms_ptr, valid_ptr, accepted_ptr, expected_ptr, scale_ptr,
+    go_ptr, width_ptr, ints_ptr, pending_ptr,
+    B: tl.constexpr, P: tl.constexpr, F: tl.constexpr, D: tl.constexpr, T: tl.constexpr, NMAX: tl.constexpr,
+    FIRST: tl.constexpr, STEP: tl.constexpr, VERIFIED: tl.constexpr, SCALE_MODE: tl.constexpr,
+    PRIOR: tl.constexpr, MOST: tl.constexpr, EXACT: tl.constexpr,
+    BB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+):
+    rows = tl.arange(0, BB)
+    n = tl.arange(0, BG)  # a pool column, and a width
+    live = tl.load(valid_ptr + rows, mask=rows < B, other=0) != 0  # [BB]
+    live_units = tl.sum(live.to(tl.int64), axis=0) * PROB_ONE  # every live row emits the target's token
+    if SCALE_MODE == 1:  # Calibration.scale(): (accepted + prior) / (expected + prior), at most ``most``
+        ratio = (tl.load(accepted_ptr) + PRIOR) / (tl.load(expected_ptr) + PRIOR)
+        scale = _rint(tl.minimum(ratio, MOST) * SCALE_ONE)
+    elif SCALE_MODE == 2:  # a scale computed apart (int64)
+        scale = tl.load(scale_ptr)
+    else:
+        scale = SCALE_ONE
+    t_idx = tl.arange(0, BT)
+    depth_ns = _rint(tl.load(depth_ms_ptr + t_idx, mask=t_idx < T, other=0.0).to(tl.float64) * NS_PER_MS)
+    depth_ns = tl.where(t_idx < T, depth_ns, 0)
+    verify_ns = _rint(tl.load(verify_ms_ptr + n, mask=n <= NMAX, other=1.0).to(tl.float64) * NS_PER_MS)
+    r2 = rows[:, None]
+    c2 = n[None, :]
+    logp = tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf")).to(tl.float64)
+    pool_units = tl.where(live[:, None] & (c2 < P), tl.floor(_exp64(logp, EXACT) * PROB_ONE).to(tl.int64), 0)
+    best_rate = -2.0
+    best_depth = 0
+    best_width = 0
+    for t in tl.static_range(D):
+        size = FIRST + STEP * t
+        drafted_ns = tl.sum(tl.where(t_idx <= t, depth_ns, 0), axis=0)  # depths 0..t
+        current = tl.where(c2 < size, pool_units, 0)
+        rate, width, unscaled = _best_width(current, live_units, scale, drafted_ns, verify_ns, size, NMAX, n)
+        child_at = c2 - P
+        child = tl.load(children_ptr + t * B * F + r2 * F + child_at, mask=(r2 < B) & (child_at >= 0) & (child_at < F),
+                        other=float("-inf"))
+        child_units = tl.where(live[:, None] & (child_at >= 0) & (child_at < F),
+                               tl.floor(_exp64(child, EXACT) * PROB_ONE).to(tl.int64), 0)
+        grown = tl.where(c2 < P, current, child_units)
+        deeper_ns = tl.sum(tl.where(t_idx <= t + 1, depth_ns, 0), axis=0)  # depths 0..t+1 (0 beyond the table)
+        deeper, deeper_width, _ = _best_width(grown, live_units, scale, deeper_ns, verify_ns, size + F, NMAX, n)
+        if t + 1 >= T:  # the table's last depth never goes deeper
+            tl.store(go_ptr + t, rate < -1.0)  # False
+        else:
+            tl.store(go_ptr + t, deeper > rate)
+        tl.store(width_ptr + t, width)
+        better = rate > best_rate  # strict: a tie keeps the shallower round
+        best_depth = tl.where(better, t + 1, best_depth)
+        best_width = tl.where(better, width, best_width)
+        best_rate = tl.where(better, rate, best_rate)
+        if t == D - 1:
+            if t + 1 < T:  # one more depth, its children predicted
+                more = deeper > best_rate
+                best_depth = tl.where(more, D + 1, best_depth)
+                best_width = tl.where(more, deeper_width, best_width)
+            drafted = tl.sum(tl.where(n == VERIFIED, unscaled, 0), axis=0)  # width 0: nothing
+            tl.store(ints_ptr + 2, drafted)
+            tl.store(pending_ptr, drafted.to(tl.float64) / PROB_ONE)
+    tl.store(ints_ptr, best_depth.to(tl.int64))
+    tl.store(ints_ptr + 1, best_width.to(tl.int64))
+
+
+def fused_sizes(sizes: list[int]) -> tuple[int, int] | None:
+    """(first, step) when the per-depth pool sizes grow by one step (the dynamic tree, the chain), else None."""
+    step = sizes[1] - sizes[0] if len(sizes) > 1 else 1
+    if step < 1 or any(s != sizes[0] + step * t for t, s in enumerate(sizes)):
+        return None
+    return sizes[0], step
+
+
+def _fp32_exact(x: float) -> bool:
+    """Whether ``x`` survives Triton's float32 constants (a calibration's prior and cap, fused into the kernel)."""
+    return float(torch.tensor(x, dtype=torch.float32)) == x
+
+
+def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], children_logp: torch.Tensor,
+                             depth_ms: torch.Tensor, verify_ms: torch.Tensor, row_valid: torch.Tensor,
+                             calibration, verified: int) -> tuple[RoundPlan, torch.Tensor]:
+    """``decide_every_depth(pool_logp, sizes, children_logp, depth_ms, verify_ms, row_valid, calibration.scale(),
+    verified)`` in one launch -> (that RoundPlan, the calibration's pending evidence, float64 0-d: the drafted
+    tokens the verified nodes expect). ``calibration`` None: unscaled. Sizes must grow by one step
+    (``fused_sizes``); shapes are checked as the tensor version checks them."""
+    d, (b, p) = len(sizes), pool_logp.shape
+    f = children_logp.shape[-1]
+    t, n_max, dev = depth_ms.shape[0], verify_ms.shape[0] - 1, pool_logp.device
+    first_step = fused_sizes(sizes)
+    if first_step is None or children_logp.shape != (d, b, f) or sizes[-1] != p or d > t or not 0 <= verified <= min(n_max, p):
+        raise ValueError(f"decide_every_depth_fused: sizes {sizes} (one step a depth, up to the pool's {p} nodes), "
+                         f"children {tuple(children_logp.shape)} ([{d}, {b}, F]), {t} table depths (>= {d}) and "
+                         f"verified={verified} (<= {min(n_max, p)}) do not fit; use decide_every_depth.")
+    go = torch.empty(d, dtype=torch.bool, device=dev)
+    width = torch.empty(d, dtype=torch.long, device=dev)
+    ints = torch.empty(3, dtype=torch.long, device=dev)  # next depth, next width, drafted
+    pending = torch.empty((), dtype=torch.float64, device=dev)
+    prior, most, mode = 0.0, 1.0, 0
+    accepted = expected = scale = pending  # unread unless the mode says so
+    if calibration is not None:
+        accepted, expected = calibration.accepted, calibration.expected
+        prior, most = float(calibration.prior), float(calibration.most)
+        mode = 1
+        if not (_fp32_exact(prior) and _fp32_exact(most)):  # not a Triton constant: the scale comes in computed
+            scale, mode = calibration.scale(), 2
+    _decide_kernel[(1,)](
+        pool_logp.contiguous(), children_logp.double().contiguous(), depth_ms, verify_ms, row_valid, accepted, expected,
+        scale, go, width, ints, pending,
+        B=b, P=p, F=f, D=d, T=t, NMAX=n_max, FIRST=first_step[0], STEP=first_step[1], VERIFIED=verified,
+        SCALE_MODE=mode, PRIOR=prior, MOST=most, EXACT=not INTERPRET,
+        BB=triton.next_power_of_2(b), BG=triton.next_power_of_2(max(p + f, n_max) + 1), BT=triton.next_power_of_2(t),
+        num_warps=4 if b * (p + f) <= 4096 else 8,
+    )
+    return RoundPlan(go, width, ints[0], ints[1], ints[2]), pending
+
+
+__all__ = ["decide_every_depth_fused", "fused_sizes"]
