@@ -101,9 +101,10 @@ def check_args(args) -> dict:
 def measure(engine, prompts, spec, params, max_new, seed, concurrency, controller=None, controller_mode="ahead"
             ) -> dict:
     """One timed ``generate``; ``round_ms``: decode time per batched engine round (a plain step for
-    plain decoding); ``mean_ctx``: the rows' mean committed length over their decode. ``controller``: a
+    plain decoding); ``round_kinds``: count and mean ms of each kind of round (``round_kinds``); ``mean_ctx``: the rows' mean committed length over their decode. ``controller``: a
     cost table, the draft controller choosing each greedy round's shape within ``spec`` (``controller_mode``)."""
     rounds_before = engine.decode_rounds
+    kinds_before = {k: list(v) for k, v in engine.round_kinds.items()}
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=max_new, sampling=params, spec=spec, seed=seed,
                               concurrency=concurrency, controller=controller, controller_mode=controller_mode)
@@ -117,7 +118,19 @@ def measure(engine, prompts, spec, params, max_new, seed, concurrency, controlle
     return {"decode_tokens": decode_tokens, "decode_s": decode_s, "tokens_per_s": decode_tokens / decode_s,
             "rounds": rounds, "mean_acceptance": sum(sum(r.accept_lengths) for r in results) / max(rounds, 1),
             "prefill_s": prefill, "wall_s": wall, "engine_rounds": engine_rounds,
-            "round_ms": 1e3 * decode_s / max(engine_rounds, 1), "mean_ctx": mean_ctx}
+            "round_ms": 1e3 * decode_s / max(engine_rounds, 1), "mean_ctx": mean_ctx,
+            "round_kinds": round_kinds(kinds_before, engine.round_kinds)}
+
+
+def round_kinds(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, dict]:
+    """The engine's rounds of each kind between two ``engine.round_kinds`` snapshots: their count and mean wall
+    time (ms, the host's sync included; a controller's kinds are its plans, "d<depth>w<width>")."""
+    out = {}
+    for kind, (n, s) in sorted(after.items()):
+        n0, s0 = before.get(kind, (0, 0.0))
+        if n > n0:
+            out[kind] = {"rounds": int(n - n0), "ms": 1e3 * (s - s0) / (n - n0)}
+    return out
 
 
 def paired_timings(time_plain: Callable[[], dict], time_spec: Callable[[], dict], repeats: int) -> dict:

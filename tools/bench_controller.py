@@ -229,11 +229,15 @@ def bench(args) -> dict:
                          "chain_controller_speedup": paired_chain["speedup"],
                          "chain_controller_acceptance": paired_chain["spec"]["mean_acceptance"],
                          "chain_decisions": [[d, w, n] for (d, w), n in sorted(chain_decisions.items())],
+                         "plain_round_kinds": paired_ctl["plain"]["round_kinds"],
+                         "round_kinds": paired_ctl["spec"]["round_kinds"],
+                         "chain_round_kinds": paired_chain["spec"]["round_kinds"],
                          "graphs_captured_while_timed": (len(engine.graphs) - graphs_before
                                                          if engine.graphs is not None else 0),
                          "sweep": {k: {"speedup": v["tokens_per_s"] / plain["tokens_per_s"],
                                        "acceptance": v["mean_acceptance"]} for k, v in fixed.items()}})
             print(format_row(rows[-1]), flush=True)
+            print(format_kinds(rows[-1]), flush=True)
             out["rows"] = rows
             out["chain_from_batch"] = chain_from_batch(rows)
             write(args.out, out)
@@ -268,6 +272,14 @@ def format_row(r: dict) -> str:
             f"{r['acceptance']:.2f}), as a chain x{r['chain_controller_speedup']:.2f}  best fixed {r['best_fixed']} "
             f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}  graphs captured while timed "
             f"{r['graphs_captured_while_timed']}")
+
+
+def format_kinds(r: dict) -> str:
+    """Where the controller's time goes: each kind of round, its count and mean wall ms (plain's beside it)."""
+    def kinds(name: str) -> str:
+        return ", ".join(f"{k} {v['rounds']}x{v['ms']:.3f}" for k, v in r[name].items())
+    return f"    rounds (count x ms): plain [{kinds('plain_round_kinds')}]  controller [{kinds('round_kinds')}]  " \
+           f"as a chain [{kinds('chain_round_kinds')}]"
 
 
 def write(path: str, out: dict) -> None:

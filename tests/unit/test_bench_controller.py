@@ -104,3 +104,14 @@ def test_chain_from_batch_is_where_the_chain_keeps_winning(tool):
     assert tool.chain_from_batch(rows) == {"d": 64}
     rows[2]["chain_controller_speedup"] = 1.0
     assert tool.chain_from_batch(rows) == {"d": None}
+
+
+def test_rows_say_where_the_rounds_time_goes(result):
+    """Each run's rounds by kind: plain decoding's are plain steps; the controller's are its plans (a plain
+    streak's rounds "plain-deferring"), one per round it traced, each with a mean wall time."""
+    for r in result[0]["rows"]:
+        assert set(r["plain_round_kinds"]) == {"plain"}
+        for kinds, decisions in ((r["round_kinds"], r["decisions"]), (r["chain_round_kinds"], r["chain_decisions"])):
+            labels = {f"d{d}w{w}" for d, w, _ in decisions if w} | {"plain-deferring"}
+            assert set(kinds) <= labels and all(v["ms"] > 0 for v in kinds.values()), (kinds, decisions)
+            assert sum(v["rounds"] for v in kinds.values()) == sum(n for _, _, n in decisions)

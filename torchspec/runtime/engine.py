@@ -104,6 +104,8 @@ class SpeculativeEngine:
             raise ValueError("cuda_graphs=True needs the engine on a CUDA device.")
         self.graphs = StepGraphs() if cuda_graphs else None
         self.decode_rounds = 0  # decode rounds run so far (batched: one per step with running rows)
+        # per kind of round ("plain", "plain-deferring", "spec", a controller's "d<depth>w<width>"): [rounds, seconds]
+        self.round_kinds: dict[str, list[float]] = {}
         # the last controller table's calibration and its latest controller (whose plans the next one continues)
         self._calibrated: tuple[CostTable, Calibration, Controller | None] | None = None
         self.configure()

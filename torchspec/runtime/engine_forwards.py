@@ -127,6 +127,7 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
                                    feedback=engine.feedback[index], ctx_len=ctx, block_table=bt, row_valid=valid),
                 "slots": index, "params": params, "costs": costs}
         name = "spec"
+    label = name if costs is None else f"d{costs.plan[0]}w{costs.plan[1]}" if costs.plan is not None else "spec"
     kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
     key = (name, len(active), spec, kind, cols, costs and (costs.plan, costs.flush))
     stateful = deferring or costs is not None  # deferred drafter entries, the calibration's evidence
@@ -139,6 +140,8 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
     if engine.controller is not None:
         engine.controller.after(costs, committed.pop() if out.plan is not None else None)
     dt = time.perf_counter() - t0
+    tally = engine.round_kinds.setdefault(label, [0, 0.0])  # the round's wall time, host sync included
+    tally[0], tally[1] = tally[0] + 1, tally[1] + dt
     for i, j in zip(rows, position):
         count, *tokens = committed[j]
         s = slots[i]

@@ -1,0 +1,179 @@
+"""What the draft controller's decision after a round costs on the GPU: tensor operations against one Triton kernel.
+
+Ahead mode decides after every round (``controlled_drafting._decide_ahead``): the criterion at each drafted
+depth, the next round's plan, the calibration's scale and the evidence its verified nodes expect. As tensor
+operations (``controller_policy.decide_every_depth`` + ``Calibration.scale``) that is ~70 small kernels inside
+the round's CUDA graph; ``decide_triton.decide_every_depth_fused`` is one. This times both the way a round
+runs them -- captured in a CUDA graph and replayed (median of device-event timings over ``--replays``
+replays, ``--repeats`` times; the inputs rotate among ``--sets`` random rounds so no cache holds them all) --
+for each padded batch and depth count at a SmolLM2-sized cost table, checks the two decide alike on every
+set, and prints a table (microseconds a decision) and writes JSON::
+
+    python tools/bench_controller_decide.py --out docs/bench/controller_decide_h200.json
+
+On CPU (no Triton, no graphs) it times the tensor version eagerly and leaves the fused column empty: a smoke
+run, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from recipes.bench import csv_values  # noqa: E402
+from torchspec.cli import check_at_least, user_errors  # noqa: E402
+from torchspec.io import atomic_write_text  # noqa: E402
+from torchspec.runtime.calibration import Calibration  # noqa: E402
+from torchspec.runtime.controller_policy import PROB_ONE, decide_every_depth  # noqa: E402
+
+TABLE_DEPTHS = 6  # the cost table's depths (a SmolLM2 round: ~0.1 ms a depth, ~1 ms a verify forward)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", default="1,8,64", help="padded batch sizes (comma-separated)")
+    p.add_argument("--depths", default="1,3,5", help="depths a round drafted (comma-separated, each < 6)")
+    p.add_argument("--topk", type=int, default=8, help="the dynamic tree's width (1: a chain)")
+    p.add_argument("--verified", type=int, default=8, help="the width the round verified (its evidence)")
+    p.add_argument("--sets", type=int, default=8, help="random rounds the replays rotate among")
+    p.add_argument("--replays", type=int, default=200, help="graph replays a timing")
+    p.add_argument("--repeats", type=int, default=5, help="timings a case (the median is reported)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="docs/bench/controller_decide_h200.json")
+    p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
+    return p
+
+
+def check_args(args) -> tuple[list[int], list[int]]:
+    batches, depths = csv_values("--batches", args.batches, int), csv_values("--depths", args.depths, int)
+    if any(d < 1 or d >= TABLE_DEPTHS for d in depths) or any(b < 1 for b in batches):
+        raise ValueError(f"--batches {args.batches} / --depths {args.depths}: batches >= 1, depths 1..{TABLE_DEPTHS - 1}.")
+    for flag in ("topk", "verified", "sets", "replays", "repeats"):
+        check_at_least(f"--{flag}", getattr(args, flag), 1)
+    if args.verified > args.topk * min(depths):
+        raise ValueError(f"--verified {args.verified}: a round of depth {min(depths)} drafts only "
+                         f"{args.topk * min(depths)} nodes; verify fewer.")
+    return batches, depths
+
+
+def random_round(gen: torch.Generator, batch: int, depth: int, topk: int, dev: torch.device) -> dict:
+    """A round's decision inputs: path log-probs falling with depth, a few dead rows, a SmolLM2-like table."""
+    def logp(*shape: int) -> torch.Tensor:
+        return (torch.rand(*shape, generator=gen) * -4.0).to(dev)
+    pool = torch.cat([logp(batch, topk) * (d + 1) for d in range(depth)], 1)
+    children = torch.stack([logp(batch, topk) * (d + 2) for d in range(depth)]).double()
+    valid = (torch.rand(batch, generator=gen) > 0.1).to(dev)
+    valid[0] = True
+    depth_ms = (0.1 + 0.02 * torch.rand(TABLE_DEPTHS, generator=gen)).float().to(dev)
+    verify_ms = (0.9 + 0.01 * torch.arange(topk * TABLE_DEPTHS + 1) + 0.01 * torch.rand(topk * TABLE_DEPTHS + 1,
+                                                                                             generator=gen)).float().to(dev)
+    cal = Calibration(dev)
+    cal.accepted.fill_(float(torch.rand(1, generator=gen)) * 6)
+    cal.expected.fill_(float(torch.rand(1, generator=gen)) * 6)
+    return {"pool": pool, "sizes": [topk * (d + 1) for d in range(depth)], "children": children, "valid": valid,
+            "depth_ms": depth_ms, "verify_ms": verify_ms, "cal": cal}
+
+
+def decide_tensor(r: dict, verified: int):
+    plan = decide_every_depth(r["pool"], r["sizes"], r["children"], r["depth_ms"], r["verify_ms"], r["valid"],
+                              r["cal"].scale(), verified)
+    return plan, plan.drafted.double() / PROB_ONE
+
+
+def decide_fused(r: dict, verified: int):
+    from torchspec.runtime.decide_triton import decide_every_depth_fused
+
+    return decide_every_depth_fused(r["pool"], r["sizes"], r["children"], r["depth_ms"], r["verify_ms"], r["valid"],
+                                    r["cal"], verified)
+
+
+def outputs(decided) -> list:
+    plan, pending = decided
+    return [plan.go.tolist(), plan.width.tolist(), int(plan.next_depth), int(plan.next_width), int(plan.drafted),
+            float(pending)]
+
+
+def time_us(fn, sets: list[dict], args) -> float:
+    """Median microseconds a decision: graph replays over ``sets`` on CUDA (one graph a set), eager on CPU."""
+    if args.device == "cpu":
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for i in range(args.replays):
+                fn(sets[i % len(sets)], args.verified)
+            times.append((time.perf_counter() - t0) / args.replays * 1e6)
+        return statistics.median(times)
+    graphs = []
+    for r in sets:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(r, args.verified)  # compile, load, warm up (torch's rule: a side stream before capture)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(r, args.verified)
+        graphs.append(g)
+    times = []
+    for _ in range(args.repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for i in range(args.replays):
+            graphs[i % len(graphs)].replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / args.replays * 1e3)
+    return statistics.median(times)
+
+
+def bench(args) -> dict:
+    batches, depths = check_args(args)
+    dev, gen = torch.device(args.device), torch.Generator().manual_seed(args.seed)
+    fused = dev.type == "cuda"
+    rows = []
+    for b in batches:
+        for d in depths:
+            sets = [random_round(gen, b, d, args.topk, dev) for _ in range(args.sets)]
+            if fused:  # the same decisions, bit for bit, on every set
+                for r in sets:
+                    want, got = outputs(decide_tensor(r, args.verified)), outputs(decide_fused(r, args.verified))
+                    if want != got:
+                        raise AssertionError(f"batch {b} depth {d}: fused {got} != tensor {want}")
+            tensor_us = time_us(decide_tensor, sets, args)
+            fused_us = time_us(decide_fused, sets, args) if fused else None
+            rows.append({"batch": b, "depths": d, "topk": args.topk, "tensor_us": tensor_us, "fused_us": fused_us,
+                         "saved_us": None if fused_us is None else tensor_us - fused_us})
+            print(format_row(rows[-1]), flush=True)
+    device = torch.cuda.get_device_name(dev) if fused else "cpu"
+    return {"device": device, "timing": "cuda-graph replays, device events" if fused else "eager, host clock",
+            "args": vars(args), "rows": rows}
+
+
+def format_row(r: dict) -> str:
+    fused = "       -" if r["fused_us"] is None else f"{r['fused_us']:8.1f}"
+    saved = "" if r["saved_us"] is None else f"  saved {r['saved_us']:7.1f} us"
+    return f"batch {r['batch']:>3}  depths {r['depths']}  k={r['topk']}  tensor {r['tensor_us']:8.1f} us  fused {fused} us{saved}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    with user_errors("bench_controller_decide", args.debug):
+        out = bench(args)
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out, json.dumps(out, indent=1))
+        print(f"wrote {args.out} ({out['device']})")
+        return out
+
+
+if __name__ == "__main__":
+    main()
