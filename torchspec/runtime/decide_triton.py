@@ -52,7 +52,7 @@ def _rint(y):
 
 
 @triton.jit
-def _best_width(units, live_units, scale, drafted_ns, verify_ns, size, NMAX: tl.constexpr, n):
+def _best_width(units, live_units, scale, drafted_ns, verify_ns, size, NMAX, n):
     """One pool's rates: units [BB, BG] int64 (dead rows and absent nodes 0) -> (best rate, its width, the
     unscaled expected drafted tokens of every width [BG]); widths up to the pool's ``size`` and ``NMAX``."""
     ranked = tl.sort(units, dim=1, descending=True)  # [BB, BG]
@@ -71,9 +71,8 @@ def _best_width(units, live_units, scale, drafted_ns, verify_ns, size, NMAX: tl.
 def _decide_kernel(
     pool_ptr, children_ptr, depth_ms_ptr, verify_ms_ptr, valid_ptr, accepted_ptr, expected_ptr, scale_ptr,
     go_ptr, width_ptr, ints_ptr, pending_ptr,
-    B: tl.constexpr, P: tl.constexpr, F: tl.constexpr, D: tl.constexpr, T: tl.constexpr, NMAX: tl.constexpr,
-    FIRST: tl.constexpr, STEP: tl.constexpr, VERIFIED: tl.constexpr, SCALE_MODE: tl.constexpr,
-    PRIOR: tl.constexpr, MOST: tl.constexpr, EXACT: tl.constexpr,
+    B, P, F, T, NMAX, FIRST, STEP, VERIFIED,  # runtime: one compiled kernel serves every batch, width and table
+    D: tl.constexpr, SCALE_MODE: tl.constexpr, PRIOR: tl.constexpr, MOST: tl.constexpr, EXACT: tl.constexpr,
     BB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
 ):
     rows = tl.arange(0, BB)
@@ -111,20 +110,16 @@ def _decide_kernel(
         grown = tl.where(c2 < P, current, child_units)
         deeper_ns = tl.sum(tl.where(t_idx <= t + 1, depth_ns, 0), axis=0)  # depths 0..t+1 (0 beyond the table)
         deeper, deeper_width, _ = _best_width(grown, live_units, scale, deeper_ns, verify_ns, size + F, NMAX, n)
-        if t + 1 >= T:  # the table's last depth never goes deeper
-            tl.store(go_ptr + t, rate < -1.0)  # False
-        else:
-            tl.store(go_ptr + t, deeper > rate)
+        tl.store(go_ptr + t, (deeper > rate) & (t + 1 < T))  # the table's last depth never goes deeper
         tl.store(width_ptr + t, width)
         better = rate > best_rate  # strict: a tie keeps the shallower round
         best_depth = tl.where(better, t + 1, best_depth)
         best_width = tl.where(better, width, best_width)
         best_rate = tl.where(better, rate, best_rate)
         if t == D - 1:
-            if t + 1 < T:  # one more depth, its children predicted
-                more = deeper > best_rate
-                best_depth = tl.where(more, D + 1, best_depth)
-                best_width = tl.where(more, deeper_width, best_width)
+            more = (deeper > best_rate) & (D < T)  # one more depth (within the table), its children predicted
+            best_depth = tl.where(more, D + 1, best_depth)
+            best_width = tl.where(more, deeper_width, best_width)
             drafted = tl.sum(tl.where(n == VERIFIED, unscaled, 0), axis=0)  # width 0: nothing
             tl.store(ints_ptr + 2, drafted)
             tl.store(pending_ptr, drafted.to(tl.float64) / PROB_ONE)
@@ -175,8 +170,7 @@ def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], children
     _decide_kernel[(1,)](
         pool_logp.contiguous(), children_logp.double().contiguous(), depth_ms, verify_ms, row_valid, accepted, expected,
         scale, go, width, ints, pending,
-        B=b, P=p, F=f, D=d, T=t, NMAX=n_max, FIRST=first_step[0], STEP=first_step[1], VERIFIED=verified,
-        SCALE_MODE=mode, PRIOR=prior, MOST=most, EXACT=not INTERPRET,
+        b, p, f, t, n_max, first_step[0], first_step[1], verified, D=d, SCALE_MODE=mode, PRIOR=prior, MOST=most, EXACT=not INTERPRET,
         BB=triton.next_power_of_2(b), BG=triton.next_power_of_2(max(p + f, n_max) + 1), BT=triton.next_power_of_2(t),
         num_warps=4 if b * (p + f) <= 4096 else 8,
     )
