@@ -232,6 +232,7 @@ def bench(args) -> dict:
                          "plain_round_kinds": paired_ctl["plain"]["round_kinds"],
                          "round_kinds": paired_ctl["spec"]["round_kinds"],
                          "chain_round_kinds": paired_chain["spec"]["round_kinds"],
+                         "graphs_failed": sorted(map(str, engine.graphs.failed)) if engine.graphs is not None else [],
                          "graphs_captured_while_timed": (len(engine.graphs) - graphs_before
                                                          if engine.graphs is not None else 0),
                          "sweep": {k: {"speedup": v["tokens_per_s"] / plain["tokens_per_s"],
@@ -271,7 +272,7 @@ def format_row(r: dict) -> str:
     return (f"{r['drafter']:<22} c={r['concurrency']:<3} controller x{r['speedup']:.2f} (acceptance "
             f"{r['acceptance']:.2f}), as a chain x{r['chain_controller_speedup']:.2f}  best fixed {r['best_fixed']} "
             f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}  graphs captured while timed "
-            f"{r['graphs_captured_while_timed']}")
+            f"{r['graphs_captured_while_timed']}" + (f"  EAGER (capture failed): {r['graphs_failed']}" if r["graphs_failed"] else ""))
 
 
 def format_kinds(r: dict) -> str:

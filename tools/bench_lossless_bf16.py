@@ -172,7 +172,7 @@ def run_head(head: str, decoder, runner, tokenizer, prompts, args) -> list[dict]
                                    cuda_graphs=False if args.eager else None)
         runs = decode_all(engine, prompts, shapes, levels, args.max_new_tokens)
         graphs = len(engine.graphs) if engine.graphs is not None else 0
-        failed = sorted(map(str, engine.graphs._failed)) if engine.graphs is not None else []
+        failed = sorted(map(str, engine.graphs.failed)) if engine.graphs is not None else []
         del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -166,4 +166,4 @@ def test_controlled_greedy_equals_plain_on_the_gpu(pair, tiny_tokenizer, depth_m
             assert (widths <= {0, probe}) if per_node == 100.0 else (max(widths) > 0)
     assert engine.free_pages == engine.total_pages
     if mode == "ahead":  # every planned shape ran as a captured graph
-        assert len(engine.graphs) > 4 and not engine.graphs._failed
+        assert len(engine.graphs) > 4 and not engine.graphs.failed

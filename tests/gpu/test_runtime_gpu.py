@@ -40,7 +40,7 @@ def test_graphed_steps_equal_eager_and_plain_fp32(pair, tiny_tokenizer):
         out = graphed.generate(ps, max_new_tokens=48, spec=spec, ignore_eos=True)
         assert [r.token_ids for r in out] == [r.token_ids for r in plain]
         assert sum(map(sum, (r.accept_lengths for r in out))) / sum(len(r.accept_lengths) for r in out) > 1.2
-    assert len(graphed.graphs) >= 3 and not graphed.graphs._failed
+    assert len(graphed.graphs) >= 3 and not graphed.graphs.failed
     assert graphed.free_pages == graphed.total_pages
 
 
@@ -52,7 +52,7 @@ def test_sampled_graphed_runs_are_seeded(pair, tiny_tokenizer):
         a = engine.generate(ps, max_new_tokens=32, sampling=params, spec=spec, seed=3)
         b = engine.generate(ps, max_new_tokens=32, sampling=params, spec=spec, seed=3)
         assert [r.token_ids for r in a] == [r.token_ids for r in b]
-    assert not engine.graphs._failed
+    assert not engine.graphs.failed
 
 
 def test_bf16_divergences_are_near_ties(pair, tiny_tokenizer):
@@ -89,4 +89,4 @@ def test_moe_drafter_is_graphed(tmp_path, tiny_tokenizer, dtype):
         out = engine.generate(ps, max_new_tokens=32, spec=spec, ignore_eos=True)
         if dtype == "float32":  # bf16 may diverge at near-ties (test_bf16_divergences_are_near_ties)
             assert [r.token_ids for r in out] == [r.token_ids for r in plain]
-    assert len(engine.graphs) >= 3 and not engine.graphs._failed
+    assert len(engine.graphs) >= 3 and not engine.graphs.failed

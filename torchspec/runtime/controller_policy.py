@@ -230,7 +230,7 @@ def decide_every_depth(pool_logp: torch.Tensor, sizes: list[int], children_logp:
     options = torch.cat([rate.max(1).values, torch.where(capped[-1:], -1.0, deeper[-1:].max(1).values)])  # [D + 1]
     at = torch.argmax(options)  # the first maximum
     widths = torch.cat([torch.argmax(rate, 1), torch.argmax(deeper[-1:], 1)])  # [D + 1]
-    return RoundPlan(go, widths[:d], at + 1, widths[at], drafted)
+    return RoundPlan(go, widths[:d], at + 1, widths.gather(0, at.view(1))[0], drafted)  # widths[at] would sync
 
 
 def _below(n: int, limits: list[int], dev: torch.device) -> torch.Tensor:

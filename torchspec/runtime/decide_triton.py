@@ -33,6 +33,7 @@ from triton.language.extra import libdevice
 from torchspec.runtime.controller_policy import NS_PER_MS, PROB_ONE, SCALE_ONE, RoundPlan
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_PROB_ONE, _SCALE_ONE, _NS_PER_MS = tl.constexpr(PROB_ONE), tl.constexpr(SCALE_ONE), tl.constexpr(NS_PER_MS)  # in kernels
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _best_width(units, live_units, scale, drafted_ns, verify_ns, size, NMAX, n):
     ranked = tl.sort(units, dim=1, descending=True)  # [BB, BG]
     per_rank = tl.sum(ranked, axis=0)  # [BG]: exact int64
     unscaled = tl.cumsum(per_rank, axis=0) - per_rank  # width n: the n best of every row
-    tokens = live_units + unscaled * scale // SCALE_ONE
+    tokens = live_units + unscaled * scale // _SCALE_ONE
     cost = tl.where(n == 0, verify_ns, drafted_ns + verify_ns)  # width 0: a plain round, which drafts nothing
     rate = tokens.to(tl.float64) / cost.to(tl.float64)
     rate = tl.where((n <= size) & (n <= NMAX), rate, -1.0)
@@ -78,22 +79,22 @@ def _decide_kernel(
     rows = tl.arange(0, BB)
     n = tl.arange(0, BG)  # a pool column, and a width
     live = tl.load(valid_ptr + rows, mask=rows < B, other=0) != 0  # [BB]
-    live_units = tl.sum(live.to(tl.int64), axis=0) * PROB_ONE  # every live row emits the target's token
+    live_units = tl.sum(live.to(tl.int64), axis=0) * _PROB_ONE  # every live row emits the target's token
     if SCALE_MODE == 1:  # Calibration.scale(): (accepted + prior) / (expected + prior), at most ``most``
         ratio = (tl.load(accepted_ptr) + PRIOR) / (tl.load(expected_ptr) + PRIOR)
-        scale = _rint(tl.minimum(ratio, MOST) * SCALE_ONE)
+        scale = _rint(tl.minimum(ratio, MOST) * _SCALE_ONE)
     elif SCALE_MODE == 2:  # a scale computed apart (int64)
         scale = tl.load(scale_ptr)
     else:
-        scale = SCALE_ONE
+        scale = _SCALE_ONE
     t_idx = tl.arange(0, BT)
-    depth_ns = _rint(tl.load(depth_ms_ptr + t_idx, mask=t_idx < T, other=0.0).to(tl.float64) * NS_PER_MS)
+    depth_ns = _rint(tl.load(depth_ms_ptr + t_idx, mask=t_idx < T, other=0.0).to(tl.float64) * _NS_PER_MS)
     depth_ns = tl.where(t_idx < T, depth_ns, 0)
-    verify_ns = _rint(tl.load(verify_ms_ptr + n, mask=n <= NMAX, other=1.0).to(tl.float64) * NS_PER_MS)
+    verify_ns = _rint(tl.load(verify_ms_ptr + n, mask=n <= NMAX, other=1.0).to(tl.float64) * _NS_PER_MS)
     r2 = rows[:, None]
     c2 = n[None, :]
     logp = tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf")).to(tl.float64)
-    pool_units = tl.where(live[:, None] & (c2 < P), tl.floor(_exp64(logp, EXACT) * PROB_ONE).to(tl.int64), 0)
+    pool_units = tl.where(live[:, None] & (c2 < P), tl.floor(_exp64(logp, EXACT) * _PROB_ONE).to(tl.int64), 0)
     best_rate = -2.0
     best_depth = 0
     best_width = 0
@@ -106,7 +107,7 @@ def _decide_kernel(
         child = tl.load(children_ptr + t * B * F + r2 * F + child_at, mask=(r2 < B) & (child_at >= 0) & (child_at < F),
                         other=float("-inf"))
         child_units = tl.where(live[:, None] & (child_at >= 0) & (child_at < F),
-                               tl.floor(_exp64(child, EXACT) * PROB_ONE).to(tl.int64), 0)
+                               tl.floor(_exp64(child, EXACT) * _PROB_ONE).to(tl.int64), 0)
         grown = tl.where(c2 < P, current, child_units)
         deeper_ns = tl.sum(tl.where(t_idx <= t + 1, depth_ns, 0), axis=0)  # depths 0..t+1 (0 beyond the table)
         deeper, deeper_width, _ = _best_width(grown, live_units, scale, deeper_ns, verify_ns, size + F, NMAX, n)
@@ -122,7 +123,7 @@ def _decide_kernel(
             best_width = tl.where(more, deeper_width, best_width)
             drafted = tl.sum(tl.where(n == VERIFIED, unscaled, 0), axis=0)  # width 0: nothing
             tl.store(ints_ptr + 2, drafted)
-            tl.store(pending_ptr, drafted.to(tl.float64) / PROB_ONE)
+            tl.store(pending_ptr, drafted.to(tl.float64) / _PROB_ONE)
     tl.store(ints_ptr, best_depth.to(tl.int64))
     tl.store(ints_ptr + 1, best_width.to(tl.int64))
 

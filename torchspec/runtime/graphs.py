@@ -55,6 +55,11 @@ class StepGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    @property
+    def failed(self) -> frozenset:
+        """The keys whose capture failed (each runs eagerly: slower by its launches, and worth a bug report)."""
+        return frozenset(self._failed)
+
     def run(self, key, fn: Callable, inputs: dict, capture_inputs: Callable[[dict], dict] | None = None):
         """fn(**inputs) through a CUDA graph captured for ``key`` (inputs: tensors or dataclasses of
         tensors with the same shapes on every call for that key). ``capture_inputs(inputs)``, if
