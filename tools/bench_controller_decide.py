@@ -1,9 +1,9 @@
 """What the draft controller's decision after a round costs on the GPU: tensor operations against one Triton kernel.
 
-Ahead mode decides after every round (``controlled_drafting._decide_ahead``): the criterion at each drafted
-depth, the next round's plan, the calibration's scale and the evidence its verified nodes expect. As tensor
-operations (``controller_policy.decide_every_depth`` + ``Calibration.scale``) that is ~70 small kernels inside
-the round's CUDA graph; ``decide_triton.decide_every_depth_fused`` is one. This times both the way a round
+Ahead mode decides after every round (``controlled_drafting._decide_ahead``): the calibration's choice and
+evidence (a dozen tensor operations either way), then the criterion at each drafted depth and the next
+round's plan: ~100 more small kernels inside the round's CUDA graph as tensor operations
+(``controller_policy.decide_every_depth``), one as ``decide_triton.decide_every_depth_fused``. This times both the way a round
 runs them -- captured in a CUDA graph and replayed (median of device-event timings over ``--replays``
 replays, ``--repeats`` times; the inputs rotate among ``--sets`` random rounds so no cache holds them all) --
 for each padded batch and depth count at a SmolLM2-sized cost table, checks the two decide alike on every
@@ -31,7 +31,7 @@ from recipes.bench import csv_values  # noqa: E402
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
 from torchspec.runtime.calibration import Calibration  # noqa: E402
-from torchspec.runtime.controller_policy import PROB_ONE, decide_every_depth  # noqa: E402
+from torchspec.runtime.controller_policy import decide_every_depth  # noqa: E402
 
 TABLE_DEPTHS = 6  # the cost table's depths (a SmolLM2 round: ~0.1 ms a depth, ~1 ms a verify forward)
 
@@ -75,30 +75,35 @@ def random_round(gen: torch.Generator, batch: int, depth: int, topk: int, dev: t
     depth_ms = (0.1 + 0.02 * torch.rand(TABLE_DEPTHS, generator=gen)).float().to(dev)
     verify_ms = (0.9 + 0.01 * torch.arange(topk * TABLE_DEPTHS + 1) + 0.01 * torch.rand(topk * TABLE_DEPTHS + 1,
                                                                                              generator=gen)).float().to(dev)
-    cal = Calibration(dev)
+    cal = Calibration(dev)  # random evidence (expectations rising as the exponent falls): any exponent and scale
     cal.accepted.fill_(float(torch.rand(1, generator=gen)) * 6)
-    cal.expected.fill_(float(torch.rand(1, generator=gen)) * 6)
+    cal.expected.copy_(torch.sort(torch.rand(len(cal.expected), generator=gen, dtype=torch.float64) * 6).values)
     return {"pool": pool, "sizes": [topk * (d + 1) for d in range(depth)], "children": children, "valid": valid,
             "depth_ms": depth_ms, "verify_ms": verify_ms, "cal": cal}
 
 
 def decide_tensor(r: dict, verified: int):
-    plan = decide_every_depth(r["pool"], r["sizes"], r["children"], r["depth_ms"], r["verify_ms"], r["valid"],
-                              r["cal"].scale(), verified)
-    return plan, plan.drafted.double() / PROB_ONE
+    """What ahead mode runs after a round without the kernel: the calibration's choice and evidence, the decision."""
+    cal = r["cal"]
+    alpha, scale = cal.choice()
+    cal.pending = cal.evidence(r["pool"], verified, r["valid"])
+    return decide_every_depth(r["pool"].double() * alpha, r["sizes"], r["children"] * alpha, r["depth_ms"],
+                              r["verify_ms"], r["valid"], scale, verified)
 
 
 def decide_fused(r: dict, verified: int):
+    """The same with the kernel (``controlled_drafting._decide_ahead`` on CUDA)."""
     from torchspec.runtime.decide_triton import decide_every_depth_fused
 
+    cal = r["cal"]
+    alpha, scale = cal.choice()
+    cal.pending = cal.evidence(r["pool"], verified, r["valid"])
     return decide_every_depth_fused(r["pool"], r["sizes"], r["children"], r["depth_ms"], r["verify_ms"], r["valid"],
-                                    r["cal"], verified)
+                                    alpha, scale, verified)
 
 
-def outputs(decided) -> list:
-    plan, pending = decided
-    return [plan.go.tolist(), plan.width.tolist(), int(plan.next_depth), int(plan.next_width), int(plan.drafted),
-            float(pending)]
+def outputs(plan) -> list:
+    return [plan.go.tolist(), plan.width.tolist(), int(plan.next_depth), int(plan.next_width), int(plan.drafted)]
 
 
 def time_us(fn, sets: list[dict], args) -> float:

@@ -44,7 +44,11 @@ from torchspec.runtime.drafting import SpecConfig  # noqa: E402
 
 FORWARDS = ("prefill", "plain_step", "plain_step_deferring_drafter", "speculate")  # the step functions engine_forwards.py calls, by name
 MODES = {"plain": None, "chain": SpecConfig(shape="chain", depth=4),
-         "tree": SpecConfig(shape="tree", depth=4, topk=4, num_nodes=16)}
+         "tree": SpecConfig(shape="tree", depth=4, topk=4, num_nodes=16),
+         "controller": SpecConfig(shape="tree", depth=4, topk=4, num_nodes=16)}  # ahead mode, within the tree
+# controller: a hand-built table where drafting pays (a depth 5% of a plain step, a verified node 1%), so its
+# rounds mostly draft: host time of the controller's rounds against the fixed tree's
+CONTROLLER_TABLE = {"depth": 0.05, "verify_per_node": 0.01}
 
 
 class ForwardTimer:
@@ -182,7 +186,12 @@ class Workload:
 def run_config(engine, mode: str, concurrency: int, args) -> dict:
     """Warm up, time ``args.steps`` steps, then profile ``args.profile_steps`` more under cProfile."""
     cuda = engine.device.type == "cuda"
-    engine.configure(spec=MODES[mode], seed=args.seed, concurrency=concurrency)
+    controller = None
+    if mode == "controller":
+        from tests.cost_tables import linear_table
+
+        controller = linear_table(engine, **CONTROLLER_TABLE, widths=[1, 4], nodes=list(range(17)))
+    engine.configure(spec=MODES[mode], seed=args.seed, concurrency=concurrency, controller=controller)
     work = Workload(engine, concurrency, args, args.seed + concurrency)
     work.start()
     for _ in range(args.warmup):

@@ -6,10 +6,11 @@ wheel has none), e.g.
     PYTHONPATH=<dir holding triton> TRITON_INTERPRET=1 python -m pytest --noconftest -q tests/gpu/test_decide_triton.py
 
 Random rounds (trees and chains, 1-64 rows, dead rows, tables as deep as the round or deeper, calibrated by a
-Calibration's decayed sums or not, every verified width) and edge cases (-inf nodes, tied rates, every row
-dead, a width-0 table): the go flags, widths, the next round's plan, the verified nodes' expectation and the
-calibration's pending evidence equal ``controller_policy.decide_every_depth`` (with ``Calibration.scale()``)
-and ``reference_next_plan`` bit for bit.
+Calibration's decayed sums -- any exponent and scale -- or not, every verified width) and edge cases (-inf
+nodes, tied rates, every row dead, a width-0 table, the smallest exponent): the go flags, widths, the next
+round's plan and the verified nodes' expectation equal ``controller_policy.decide_every_depth`` on the
+path log-probabilities times the calibration's exponent (``Calibration.choice()``) and
+``reference_next_plan`` bit for bit.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA, or 
 DEV = torch.device("cuda" if CUDA else "cpu")
 
 
-def _calibration(gen: torch.Generator, prior: float = 0.25, most: float = 4.0):
-    from torchspec.runtime.calibration import Calibration
+def _calibration(gen: torch.Generator, accepted: float | None = None):
+    """Random decayed evidence (expectations rising as the exponent falls, as they do): any exponent, any scale."""
+    from torchspec.runtime.calibration import ALPHAS, Calibration
 
-    cal = Calibration(DEV, prior=prior, most=most)
-    cal.accepted.fill_(float(torch.rand(1, generator=gen)) * 6)
-    cal.expected.fill_(float(torch.rand(1, generator=gen)) * 6)
+    cal = Calibration(DEV)
+    cal.accepted.fill_(float(torch.rand(1, generator=gen)) * 6 if accepted is None else accepted)
+    cal.expected.copy_(torch.sort(torch.rand(len(ALPHAS), generator=gen, dtype=torch.float64) * 6).values)
     return cal
 
 
@@ -56,24 +58,23 @@ def _compare(pools, sizes, children, depth_ms, verify_ms, valid, cal, verified):
     from torchspec.runtime.controller_policy import decide_every_depth
     from torchspec.runtime.decide_triton import decide_every_depth_fused
 
-    scale = None if cal is None else cal.scale()
-    want = decide_every_depth(pools.to(DEV), sizes, children.to(DEV), depth_ms.to(DEV), verify_ms.to(DEV),
-                              valid.to(DEV), scale, verified)
-    got, pending = decide_every_depth_fused(pools.to(DEV), sizes, children.to(DEV), depth_ms.to(DEV),
-                                            verify_ms.to(DEV), valid.to(DEV), cal, verified)
+    alpha, scale = (torch.tensor(1.0, dtype=torch.float64, device=DEV), None) if cal is None else cal.choice()
+    want = decide_every_depth(pools.to(DEV).double() * alpha, sizes, children.to(DEV) * alpha, depth_ms.to(DEV),
+                              verify_ms.to(DEV), valid.to(DEV), scale, verified)
+    got = decide_every_depth_fused(pools.to(DEV), sizes, children.to(DEV), depth_ms.to(DEV), verify_ms.to(DEV),
+                                   valid.to(DEV), alpha, scale, verified)
     assert got.go.tolist() == want.go.tolist()
     assert got.width.tolist() == want.width.tolist()
     assert (int(got.next_depth), int(got.next_width)) == (int(want.next_depth), int(want.next_width))
     assert int(got.drafted) == int(want.drafted)
-    assert float(pending) == float(want.drafted.double() / (1 << 20))
-    return want
+    return want, float(alpha), None if scale is None else int(scale)
 
 
 def test_random_rounds_decide_as_the_tensor_version_and_the_reference():
     from torchspec.runtime.controller_policy import reference_next_plan
 
     gen = torch.Generator().manual_seed(7)
-    seen_plan, seen_go = set(), set()
+    seen_plan, seen_go, seen_alpha = set(), set(), set()
     for i in range(120 if CUDA else 40):
         rows = int(torch.randint(1, 65 if i % 4 == 0 else 9, (1,), generator=gen))
         k = 1 if i % 5 == 0 else int(torch.randint(2, 9, (1,), generator=gen))  # a chain, or a k-wide tree
@@ -87,16 +88,19 @@ def test_random_rounds_decide_as_the_tensor_version_and_the_reference():
         sharp = float(torch.rand(1, generator=gen)) * 8
         pools, sizes, children, each_pool, front, edge = _round(gen, i, rows, k, drafted, sharp)
         verified = int(torch.randint(0, min(pools.shape[1], n_max) + 1, (1,), generator=gen))
-        want = _compare(pools, sizes, children, depth_ms, verify_ms, valid, cal, verified)
-        plan = reference_next_plan(each_pool, front.tolist(), edge.tolist(), depth_ms.tolist(), verify_ms.tolist(),
-                                   valid.tolist(), None if cal is None else int(cal.scale()))
+        want, a, scale = _compare(pools, sizes, children, depth_ms, verify_ms, valid, cal, verified)
+        plan = reference_next_plan([[[x * a for x in row] for row in pool] for pool in each_pool],
+                                   (front.double() * a).tolist(), (edge.double() * a).tolist(), depth_ms.tolist(),
+                                   verify_ms.tolist(), valid.tolist(), scale)
         assert (int(want.next_depth), int(want.next_width)) == plan
         seen_plan.add(plan)
+        seen_alpha.add(a)
         seen_go.update(want.go.tolist())
     assert seen_go == {True, False} and len({d for d, _ in seen_plan}) >= 3 and len({w for _, w in seen_plan}) > 5
+    assert len(seen_alpha) >= 3  # the calibration's exponents, not only a = 1
 
 
-@pytest.mark.parametrize("case", ["minus_inf", "ties", "all_dead", "width_0_table", "scale_apart"])
+@pytest.mark.parametrize("case", ["minus_inf", "ties", "all_dead", "width_0_table", "smallest_exponent"])
 def test_edge_cases(case):
     gen = torch.Generator().manual_seed(11)
     rows, k, drafted = 4, 3, 3
@@ -117,8 +121,9 @@ def test_edge_cases(case):
         valid.fill_(False)
     elif case == "width_0_table":
         verify_ms, verified = verify_ms[:1], 0
-    else:  # a prior that is no float32 constant: the kernel reads a scale computed apart
-        cal = _calibration(gen, prior=0.1)
+    else:  # an underconfident drafter's evidence: path probabilities read as p^0.125
+        cal = _calibration(gen, accepted=40.0)
+        assert float(cal.choice()[0]) == 0.125
     _compare(pools, sizes, children, depth_ms, verify_ms, valid, cal, verified)
 
 
@@ -131,4 +136,5 @@ def test_sizes_that_do_not_grow_by_one_step_are_refused():
     with pytest.raises(ValueError, match="one step a depth"):
         decide_every_depth_fused(pool, [4, 12, 16], torch.zeros(3, 2, 4, dtype=torch.float64, device=DEV),
                                  torch.ones(3, device=DEV), torch.ones(9, device=DEV),
-                                 torch.ones(2, dtype=torch.bool, device=DEV), None, 0)
+                                 torch.ones(2, dtype=torch.bool, device=DEV),
+                                 torch.ones((), dtype=torch.float64, device=DEV), None, 0)

@@ -16,7 +16,7 @@ import torch
 
 from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
-from torchspec.runtime.calibration import Calibration
+from torchspec.runtime.calibration import ALPHAS, Calibration
 from torchspec.runtime.controlled_drafting import MODES
 from torchspec.runtime.controller_policy import SCALE_ONE
 from torchspec.runtime.cost_table import CostTable
@@ -155,23 +155,44 @@ def test_a_confidently_wrong_drafter_is_soon_not_verified(confidently_wrong, pla
 
 def test_calibration_is_the_decayed_ratio_and_drifts_back_without_evidence():
     cal = Calibration(torch.device("cpu"), decay=0.5, prior=0.25)
-    assert int(cal.scale()) == SCALE_ONE  # no evidence: the confidence as is
-    cal.pending = torch.tensor(3.0, dtype=torch.float64)
+    alpha, scale = cal.choice()
+    assert (float(alpha), int(scale)) == (1.0, SCALE_ONE)  # no evidence: the confidence as is
+    cal.pending = torch.tensor([3.0, 4.0, 5.0, 6.0], dtype=torch.float64)  # under each exponent
     cal.observe(torch.tensor([0, 0]), torch.tensor([True, True]))
-    assert int(cal.scale()) == round(0.25 / 3.25 * SCALE_ONE)
+    alpha, scale = cal.choice()  # nothing accepted: a = 1 expected least, so it is nearest
+    assert (float(alpha), int(scale)) == (1.0, round(0.25 / 3.25 * SCALE_ONE))
     scales = []
     for _ in range(8):  # rounds that verify nothing: the evidence decays, the scale returns toward 1
-        cal.pending = torch.tensor(0.0, dtype=torch.float64)
+        cal.pending = torch.zeros(4, dtype=torch.float64)
         cal.observe(torch.tensor([0, 0]), torch.tensor([True, True]))
         scales.append(int(cal.scale()))
     assert scales == sorted(scales) and scales[-1] > 0.9 * SCALE_ONE
-    cal.pending = torch.tensor(1.0, dtype=torch.float64)
+    cal.pending = torch.ones(4, dtype=torch.float64)
     cal.observe(torch.tensor([4, 9]), torch.tensor([True, False]))  # a padded row's count is not evidence
     assert float(cal.accepted) == pytest.approx(4.0 + 0.0, abs=1e-2)
-    evidence = (float(cal.accepted), float(cal.expected))
-    cal.pending = torch.tensor(0.0, dtype=torch.float64)
+    evidence = (float(cal.accepted), cal.expected.tolist())
+    cal.pending = torch.zeros(4, dtype=torch.float64)
     cal.observe(torch.tensor([4, 9]), torch.tensor([False, False]))  # an idle run (a graph warm-up): no change
-    assert (float(cal.accepted), float(cal.expected)) == evidence
+    assert (float(cal.accepted), cal.expected.tolist()) == evidence
+
+
+def test_an_underconfident_drafter_is_read_with_a_smaller_exponent():
+    """Greedy verification accepts a drafter whose paths it gave 0.2^d: the exponent whose expectation is
+    nearest the accepted tokens is chosen (not a scale capped at ``most``), and the scale is what remains."""
+    cal = Calibration(torch.device("cpu"))
+    logp = torch.log(torch.tensor([[0.2, 0.04, 0.008, 0.0016]]))  # one row, a chain of 4
+    cal.pending = cal.evidence(logp, 4, torch.tensor([True]))
+    want = [sum(p ** a for p in (0.2, 0.04, 0.008, 0.0016)) for a in ALPHAS]
+    assert cal.pending.tolist() == pytest.approx(want, rel=1e-5)
+    for _ in range(20):  # every round accepts 3 of the 4
+        cal.pending = cal.evidence(logp, 4, torch.tensor([True]))
+        cal.observe(torch.tensor([3]), torch.tensor([True]))
+    alpha, scale = cal.choice()
+    ratios = [(float(cal.accepted) + 0.25) / (e + 0.25) for e in cal.expected.tolist()]  # per exponent
+    assert ratios[0] > 4  # beyond the scale's cap: a = 1 alone could not say how good this drafter is
+    assert float(alpha) == ALPHAS[min(range(len(ALPHAS)), key=lambda i: max(ratios[i], 1 / ratios[i]))] < 1
+    assert 0.5 * SCALE_ONE < int(scale) < 2 * SCALE_ONE
+    assert cal.evidence(logp, 0, torch.tensor([True])).tolist() == [0.0] * len(ALPHAS)
 
 
 def test_from_chain_from_batch_rows_on_greedy_rounds_draft_a_chain(confident, plain, tiny_tokenizer, mode):
@@ -244,19 +265,24 @@ def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_to
     real, checked = cd.draft_ahead_tree, []
 
     def depth_by_depth(runner, cache, inp, spec, costs):
-        pools, scale = [], costs.calibration.scale()
+        (alpha, scale), pools = costs.calibration.choice(), []
+        a = float(alpha)  # the calibration's exponent: a power of two, so x * a is exact in any order
+
+        def read(x: torch.Tensor) -> list:
+            return (x.double() * a).tolist()
         for pool in grow_dynamic_tree(runner, cache, inp, spec, SamplingParams(), frontier_at_last=True):
-            pools.append(torch.cat(pool.sc, 1).tolist())
-        want = reference_next_plan(pools, pool.front_sc.tolist(), pool.front_edge().tolist(), costs.depth_ms.tolist(),
+            pools.append(read(torch.cat(pool.sc, 1)))
+        want = reference_next_plan(pools, read(pool.front_sc), read(pool.front_edge()), costs.depth_ms.tolist(),
                                    costs.verify_ms.tolist(), inp.row_valid.tolist(), int(scale))
-        drafted = int(expected_tokens(torch.cat(pool.sc, 1), costs.plan[1], inp.row_valid)[-1]) \
-            - int(inp.row_valid.sum()) * PROB_ONE
-        return list(want), drafted / PROB_ONE
+        live = int(inp.row_valid.sum()) * PROB_ONE
+        drafted = [(int(expected_tokens(torch.cat(pool.sc, 1).double() * e, costs.plan[1], inp.row_valid)[-1]) - live)
+                   / PROB_ONE for e in ALPHAS]  # the evidence under each exponent
+        return list(want), drafted
 
     def compared(runner, cache, inp, spec, costs):
         want, pending = depth_by_depth(runner, cache, inp, spec, costs)
         tree, plan = real(runner, cache, inp, spec, costs)
-        assert plan.tolist() == want and float(costs.calibration.pending) == pending
+        assert plan.tolist() == want and costs.calibration.pending.tolist() == pending
         checked.append(want)
         return tree, plan
 

@@ -28,11 +28,11 @@ def tool():
 
 def test_json_keys_and_split(tool, tmp_path):
     out = tmp_path / "host.json"
-    data = tool.main(SMALL + ["--modes", "plain,chain,tree", "--out", str(out)])
+    data = tool.main(SMALL + ["--modes", "plain,chain,tree,controller", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(data))
     assert data["device"] == "cpu" and {"torch", "threads", "args", "rows"} <= set(data)
     assert [(r["mode"], r["concurrency"]) for r in data["rows"]] == [
-        (m, c) for c in (1, 4) for m in ("plain", "chain", "tree")]
+        (m, c) for c in (1, 4) for m in ("plain", "chain", "tree", "controller")]
     for r in data["rows"]:
         assert ROW_KEYS <= set(r)
         assert r["steps"] == 6 and r["leaked_pages"] == 0 and r["syncs_per_step"] is None

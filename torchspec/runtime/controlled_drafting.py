@@ -55,11 +55,9 @@ import torch
 from torchspec.runtime.calibration import Calibration
 from torchspec.runtime.controller_policy import (
     INITIAL_SAMPLED_DEPTH,
-    PROB_ONE,
     RoundPlan,
     decide_after_depth,
     decide_every_depth,
-    expected_tokens,
     next_sampled_depth,
     verify_width,
 )
@@ -307,48 +305,44 @@ def decide_how() -> str:
 
 def _decide_ahead(pool_logp: torch.Tensor, sizes: list[int], children: torch.Tensor, costs: RoundCosts,
                   row_valid: torch.Tensor, m: int) -> RoundPlan:
-    """``decide_every_depth`` with the calibration's scale, and the evidence the ``m`` verified nodes expect
-    (``calibration.pending``): on CUDA in one Triton launch (``decide_triton.py``; the same decisions bit for
-    bit), else as tensor operations; ``TORCHSPEC_CONTROLLER_DECIDE=tensor`` forces the latter (to compare)."""
+    """``decide_every_depth`` on the path probabilities as the calibration reads them (``Calibration.choice``:
+    p^a, scaled), and the evidence the ``m`` verified nodes expect (``calibration.pending``): on CUDA in one
+    Triton launch (``decide_triton.py``; the same decisions bit for bit), else as tensor operations;
+    ``TORCHSPEC_CONTROLLER_DECIDE=tensor`` forces the latter (to compare)."""
+    cal = costs.calibration
+    alpha, scale = cal.choice()
+    cal.pending = cal.evidence(pool_logp, m, row_valid)
     if decide_how() == "fused" and pool_logp.is_cuda:
         from torchspec.runtime.decide_triton import (  # CUDA builds ship Triton
             decide_every_depth_fused,
             fused_sizes,
         )
         if fused_sizes(sizes) is not None:
-            plan, costs.calibration.pending = decide_every_depth_fused(
-                pool_logp, sizes, children, costs.depth_ms, costs.verify_ms, row_valid, costs.calibration, m)
-            return plan
-    plan = decide_every_depth(pool_logp, sizes, children, costs.depth_ms, costs.verify_ms, row_valid,
-                              costs.calibration.scale(), m)
-    costs.calibration.pending = plan.drafted.double() / PROB_ONE  # what the verified nodes' confidence expects
-    return plan
-
-
-def _expect(costs: RoundCosts, scores: torch.Tensor, m: int, row_valid: torch.Tensor) -> None:
-    """The drafted tokens the ``m`` verified nodes' confidence expects (the calibration's evidence)."""
-    drafted = expected_tokens(scores, m, row_valid)[-1] - row_valid.sum() * PROB_ONE
-    costs.calibration.pending = drafted.double() / PROB_ONE
+            return decide_every_depth_fused(pool_logp, sizes, children, costs.depth_ms, costs.verify_ms, row_valid,
+                                            alpha, scale, m)
+    return decide_every_depth(pool_logp.double() * alpha, sizes, children * alpha, costs.depth_ms, costs.verify_ms,
+                              row_valid, scale, m)
 
 
 def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
                           costs: RoundCosts) -> DraftTree:
     """The greedy dynamic tree of ``spec`` (a chain when shape == 'chain', ``drafting.grow_dynamic_tree``),
     cut where the controller stops, keeping its chosen width of best nodes (module docstring)."""
-    scale = costs.calibration.scale()
+    alpha, scale = costs.calibration.choice()  # the confidence as the calibration reads it: p^alpha, scaled
     for depth, pool in enumerate(grow_dynamic_tree(runner, cache, inp, spec, SamplingParams())):
-        scores = torch.cat(pool.sc, 1)  # [B, P] every node drafted so far
+        raw = torch.cat(pool.sc, 1)  # [B, P] every node drafted so far
+        scores = raw.double() * alpha
         if pool.front_sc is None:  # spec's last depth: the width alone
             width = verify_width(scores, depth, costs.depth_ms, costs.verify_ms, inp.row_valid, scale)
             break
-        decision = decide_after_depth(scores, pool.front_sc, pool.front_edge(), depth, costs.depth_ms,
-                                      costs.verify_ms, inp.row_valid, scale)
+        decision = decide_after_depth(scores, pool.front_sc.double() * alpha, pool.front_edge().double() * alpha,
+                                      depth, costs.depth_ms, costs.verify_ms, inp.row_valid, scale)
         width = decision.width
         if not bool(decision.go):  # host-chained: one read a depth
             break
     m = int(width)  # the round's one more host read: the verified shape
     costs.trace.append((depth + 1, m))
-    _expect(costs, scores, m, inp.row_valid)
+    costs.calibration.pending = costs.calibration.evidence(raw, m, inp.row_valid)
     return pool.tree(inp.root, m)
 
 
@@ -367,7 +361,8 @@ def sampled_go_flags(tree: DraftTree, depth: int, costs: RoundCosts, row_valid: 
     for _ in range(depth):  # pointer passes: after k, every node of depth <= k + 1 holds its path's sum
         cum = torch.where(tree.depths > 1, edge + cum.gather(1, parent), cum)
     cum = torch.where(drafted, cum, float("-inf"))
-    scale, flags = costs.calibration.scale(), []
+    (alpha, scale), flags = costs.calibration.choice(), []
+    cum, edge = cum.double() * alpha, edge.double() * alpha  # the confidence as the calibration reads it
     for level in range(1, min(depth, costs.depth_ms.shape[0]) + 1):
         pool = torch.where(tree.depths <= level, cum, float("-inf"))[:, 1:]  # [B, N - 1] the levels so far
         at = tree.depths[:, 1:] == level

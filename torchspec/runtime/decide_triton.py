@@ -1,14 +1,15 @@
 """The draft controller's decision after a round, in one Triton kernel (ahead mode, on the GPU).
 
 ``controller_policy.decide_every_depth`` evaluates the criterion after each of a round's D drafted depths and
-plans the next round in ~60 tensor operations, plus ~6 for the calibration's scale and 2 for its evidence:
+plans the next round in ~60 tensor operations (~110 counted on the tiny pair, ``tools/count_round_ops.py``):
 inside a CUDA graph each is a launch of a few microseconds, so at SmolLM2's size deciding cost about as much
-GPU time as a draft depth (the H200 cost table's whole round that verifies nothing was 0.5 ms above a plain
-step, the fixed depth-0 chain's real round 0.27 ms). ``decide_every_depth_fused`` does all of it in one
-program: the calibration's scale from its decayed sums, every drafted node's probability in fixed point,
-each depth's pool (and its predicted children) sorted per row and summed over the live rows, the expected
-tokens of every width, their rates against the costs, the go flags, the chosen widths, the next round's
-(depth, width) and the evidence its verified nodes expect.
+GPU time as a draft depth (on an H200, 155-195 us a decision against 5-30 us fused at batch 1-8,
+``tools/bench_controller_decide.py``). ``decide_every_depth_fused`` does it in one program: every drafted
+node's probability in fixed point (its path log-probability times the calibration's exponent), each depth's
+pool (and its predicted children) sorted per row and summed over the live rows, the expected tokens of every
+width scaled by the calibration, their rates against the costs, the go flags, the chosen widths, the next
+round's (depth, width) and what its verified nodes expect. The calibration's choice and evidence
+(``calibration.py``) stay a dozen tensor operations.
 
 **The same decisions bit for bit.** Every step is the tensor version's arithmetic in the same types: float64
 ``exp`` (libdevice's, which CUDA's own ``exp`` is), ``floor`` to int64 fixed point, costs rounded to integer
@@ -70,21 +71,17 @@ def _best_width(units, live_units, scale, drafted_ns, verify_ns, size, NMAX, n):
 
 @triton.jit
 def _decide_kernel(
-    pool_ptr, children_ptr, depth_ms_ptr, verify_ms_ptr, valid_ptr, accepted_ptr, expected_ptr, scale_ptr,
-    go_ptr, width_ptr, ints_ptr, pending_ptr,
+    pool_ptr, children_ptr, depth_ms_ptr, verify_ms_ptr, valid_ptr, alpha_ptr, scale_ptr, go_ptr, width_ptr, ints_ptr,
     B, P, F, T, NMAX, FIRST, STEP, VERIFIED,  # runtime: one compiled kernel serves every batch, width and table
-    D: tl.constexpr, SCALE_MODE: tl.constexpr, PRIOR: tl.constexpr, MOST: tl.constexpr, EXACT: tl.constexpr,
-    BB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+    D: tl.constexpr, SCALED: tl.constexpr, EXACT: tl.constexpr, BB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
 ):
     rows = tl.arange(0, BB)
     n = tl.arange(0, BG)  # a pool column, and a width
     live = tl.load(valid_ptr + rows, mask=rows < B, other=0) != 0  # [BB]
     live_units = tl.sum(live.to(tl.int64), axis=0) * _PROB_ONE  # every live row emits the target's token
-    if SCALE_MODE == 1:  # Calibration.scale(): (accepted + prior) / (expected + prior), at most ``most``
-        ratio = (tl.load(accepted_ptr) + PRIOR) / (tl.load(expected_ptr) + PRIOR)
-        scale = _rint(tl.minimum(ratio, MOST) * _SCALE_ONE)
-    elif SCALE_MODE == 2:  # a scale computed apart (int64)
-        scale = tl.load(scale_ptr)
+    alpha = tl.load(alpha_ptr)  # the calibration's exponent: every path log-probability times alpha (float64)
+    if SCALED:
+        scale = tl.load(scale_ptr)  # int64, units of SCALE_ONE
     else:
         scale = _SCALE_ONE
     t_idx = tl.arange(0, BT)
@@ -93,7 +90,7 @@ def _decide_kernel(
     verify_ns = _rint(tl.load(verify_ms_ptr + n, mask=n <= NMAX, other=1.0).to(tl.float64) * _NS_PER_MS)
     r2 = rows[:, None]
     c2 = n[None, :]
-    logp = tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf")).to(tl.float64)
+    logp = tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf")).to(tl.float64) * alpha
     pool_units = tl.where(live[:, None] & (c2 < P), tl.floor(_exp64(logp, EXACT) * _PROB_ONE).to(tl.int64), 0)
     best_rate = -2.0
     best_depth = 0
@@ -105,7 +102,7 @@ def _decide_kernel(
         rate, width, unscaled = _best_width(current, live_units, scale, drafted_ns, verify_ns, size, NMAX, n)
         child_at = c2 - P
         child = tl.load(children_ptr + t * B * F + r2 * F + child_at, mask=(r2 < B) & (child_at >= 0) & (child_at < F),
-                        other=float("-inf"))
+                        other=float("-inf")) * alpha
         child_units = tl.where(live[:, None] & (child_at >= 0) & (child_at < F),
                                tl.floor(_exp64(child, EXACT) * _PROB_ONE).to(tl.int64), 0)
         grown = tl.where(c2 < P, current, child_units)
@@ -121,9 +118,7 @@ def _decide_kernel(
             more = (deeper > best_rate) & (D < T)  # one more depth (within the table), its children predicted
             best_depth = tl.where(more, D + 1, best_depth)
             best_width = tl.where(more, deeper_width, best_width)
-            drafted = tl.sum(tl.where(n == VERIFIED, unscaled, 0), axis=0)  # width 0: nothing
-            tl.store(ints_ptr + 2, drafted)
-            tl.store(pending_ptr, drafted.to(tl.float64) / _PROB_ONE)
+            tl.store(ints_ptr + 2, tl.sum(tl.where(n == VERIFIED, unscaled, 0), axis=0))  # width 0: nothing
     tl.store(ints_ptr, best_depth.to(tl.int64))
     tl.store(ints_ptr + 1, best_width.to(tl.int64))
 
@@ -136,18 +131,13 @@ def fused_sizes(sizes: list[int]) -> tuple[int, int] | None:
     return sizes[0], step
 
 
-def _fp32_exact(x: float) -> bool:
-    """Whether ``x`` survives Triton's float32 constants (a calibration's prior and cap, fused into the kernel)."""
-    return float(torch.tensor(x, dtype=torch.float32)) == x
-
-
 def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], children_logp: torch.Tensor,
                              depth_ms: torch.Tensor, verify_ms: torch.Tensor, row_valid: torch.Tensor,
-                             calibration, verified: int) -> tuple[RoundPlan, torch.Tensor]:
-    """``decide_every_depth(pool_logp, sizes, children_logp, depth_ms, verify_ms, row_valid, calibration.scale(),
-    verified)`` in one launch -> (that RoundPlan, the calibration's pending evidence, float64 0-d: the drafted
-    tokens the verified nodes expect). ``calibration`` None: unscaled. Sizes must grow by one step
-    (``fused_sizes``); shapes are checked as the tensor version checks them."""
+                             alpha: torch.Tensor, scale: torch.Tensor | None, verified: int) -> RoundPlan:
+    """``decide_every_depth(pool_logp.double() * alpha, sizes, children_logp * alpha, depth_ms, verify_ms,
+    row_valid, scale, verified)`` in one launch (``alpha`` 0-d float64 and ``scale`` 0-d int64 or None: the
+    calibration's ``choice()``). Sizes must grow by one step (``fused_sizes``); shapes are checked as the
+    tensor version checks them."""
     d, (b, p) = len(sizes), pool_logp.shape
     f = children_logp.shape[-1]
     t, n_max, dev = depth_ms.shape[0], verify_ms.shape[0] - 1, pool_logp.device
@@ -159,23 +149,14 @@ def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], children
     go = torch.empty(d, dtype=torch.bool, device=dev)
     width = torch.empty(d, dtype=torch.long, device=dev)
     ints = torch.empty(3, dtype=torch.long, device=dev)  # next depth, next width, drafted
-    pending = torch.empty((), dtype=torch.float64, device=dev)
-    prior, most, mode = 0.0, 1.0, 0
-    accepted = expected = scale = pending  # unread unless the mode says so
-    if calibration is not None:
-        accepted, expected = calibration.accepted, calibration.expected
-        prior, most = float(calibration.prior), float(calibration.most)
-        mode = 1
-        if not (_fp32_exact(prior) and _fp32_exact(most)):  # not a Triton constant: the scale comes in computed
-            scale, mode = calibration.scale(), 2
     _decide_kernel[(1,)](
-        pool_logp.contiguous(), children_logp.double().contiguous(), depth_ms, verify_ms, row_valid, accepted, expected,
-        scale, go, width, ints, pending,
-        b, p, f, t, n_max, first_step[0], first_step[1], verified, D=d, SCALE_MODE=mode, PRIOR=prior, MOST=most, EXACT=not INTERPRET,
+        pool_logp.contiguous(), children_logp.double().contiguous(), depth_ms, verify_ms, row_valid,
+        alpha.double(), ints if scale is None else scale, go, width, ints,
+        b, p, f, t, n_max, first_step[0], first_step[1], verified, D=d, SCALED=scale is not None, EXACT=not INTERPRET,
         BB=triton.next_power_of_2(b), BG=triton.next_power_of_2(max(p + f, n_max) + 1), BT=triton.next_power_of_2(t),
         num_warps=4 if b * (p + f) <= 4096 else 8,
     )
-    return RoundPlan(go, width, ints[0], ints[1], ints[2]), pending
+    return RoundPlan(go, width, ints[0], ints[1], ints[2])
 
 
 __all__ = ["decide_every_depth_fused", "fused_sizes"]
