@@ -176,6 +176,23 @@ def test_calibration_is_the_decayed_ratio_and_drifts_back_without_evidence():
     assert (float(cal.accepted), cal.expected.tolist()) == evidence
 
 
+def test_an_underconfident_drafter_that_is_right_is_drafted(engine, plain, tiny_tokenizer, mode):
+    """The tiny pair's own drafter: near-flat (top probability ~0.004, so a path of 3 is ~1e-7) yet the target's
+    argmax. With a multiplicative scale alone (capped x4) the controller never drafted it (acceptance 1.0);
+    the calibration's exponent reads it as it is borne out, and the controller drafts the widest trees."""
+    spec = SPECS[0]
+    out, trace = run(engine, tiny_tokenizer, 3, spec, table(engine, depth=1e-3, verify_per_node=1e-3), mode)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain[3]]
+    alpha = float(engine.controller.calibration.choice()[0])
+    fixed = engine.generate(prompts(tiny_tokenizer, 3), max_new_tokens=32, spec=spec, ignore_eos=True)
+
+    def acceptance(results) -> float:
+        return sum(sum(r.accept_lengths) for r in results) / sum(len(r.accept_lengths) for r in results)
+    assert acceptance(out) >= 0.8 * acceptance(fixed) and acceptance(fixed) > 1.5, (acceptance(out), trace)
+    assert max(d for d, _ in trace) >= 2 and max(w for _, w in trace) == spec.num_nodes, trace  # deep and wide
+    assert alpha < 1
+
+
 def test_an_underconfident_drafter_is_read_with_a_smaller_exponent():
     """Greedy verification accepts a drafter whose paths it gave 0.2^d: the exponent whose expectation is
     nearest the accepted tokens is chosen (not a scale capped at ``most``), and the scale is what remains."""
