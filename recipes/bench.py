@@ -101,8 +101,9 @@ def check_args(args) -> dict:
 def measure(engine, prompts, spec, params, max_new, seed, concurrency, controller=None, controller_mode="ahead"
             ) -> dict:
     """One timed ``generate``; ``round_ms``: decode time per batched engine round (a plain step for
-    plain decoding); ``round_kinds``: count and mean ms of each kind of round (``round_kinds``); ``mean_ctx``: the rows' mean committed length over their decode. ``controller``: a
-    cost table, the draft controller choosing each greedy round's shape within ``spec`` (``controller_mode``)."""
+    plain decoding); ``round_kinds``: count and mean ms of each kind of round (``round_kinds``); ``mean_ctx``:
+    the rows' mean committed length over their decode. ``controller``: a cost table, the draft controller
+    choosing each greedy round's shape within ``spec`` (``controller_mode``)."""
     rounds_before = engine.decode_rounds
     kinds_before = {k: list(v) for k, v in engine.round_kinds.items()}
     t0 = time.perf_counter()
