@@ -167,18 +167,24 @@ def bench_prompts(args, engine, n: int, g: torch.Generator) -> list[list[int]]:
     return torch.randint(0, engine.decoder.vocab_size, (n, args.prompt_len), generator=g).tolist()
 
 
-def cost_table(args, engine, controlled: SpecConfig):
+def cost_table(args, engine, controlled: SpecConfig, measured: dict):
+    """``--costs``, else the table measured in this run for the same key (drafters of one architecture: a
+    profile takes minutes of a GPU lease), else measured now and written beside ``--out``."""
     from torchspec.runtime.cost_profile import profile_costs
     from torchspec.runtime.cost_table import CostTable, cost_key
 
+    key = cost_key(engine.decoder, engine.runner)
     if args.costs:
-        return CostTable.load(args.costs, cost_key(engine.decoder, engine.runner))
+        return CostTable.load(args.costs, key)
+    if key in measured:
+        return measured[key]
     n = controlled.num_nodes
     table = profile_costs(engine, batches=sorted(set(csv_values("--concurrency", args.concurrency, int))),
                           contexts=[args.prompt_len + args.max_new_tokens // 2], widths=sorted({1, controlled.topk}),
                           nodes=[m for m in (0, 1, 2, 4, 8, 16, 32, 48, 64) if m < n] + [n],
                           repeats=max(3, args.repeats), timing="graph" if engine.graphs is not None else "eager")
     table.save(args.costs_out or pathlib.Path(args.out).with_suffix(".costs.json"))
+    measured[key] = table
     return table
 
 
@@ -188,10 +194,10 @@ def bench(args) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     mode = args.controller_mode
     chain = SpecConfig(shape="chain", depth=controlled.depth)  # the controller's k = 1 (chain_from_batch)
-    rows, out = [], {"controller_mode": mode, "args": vars(args), "rows": []}
+    rows, out, measured = [], {"controller_mode": mode, "args": vars(args), "rows": []}, {}
     for name, engine in engines(args, checked, max(levels), args.prompt_len + args.max_new_tokens + 160):
         prompts = bench_prompts(args, engine, max(*levels, args.num_prompts), g)
-        table = cost_table(args, engine, controlled)
+        table = cost_table(args, engine, controlled, measured)
         out["device"] = table.key.device
         out["costs_timing"] = table.meta.get("timing")
         out["cuda_graphs"] = engine.graphs is not None

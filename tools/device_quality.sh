@@ -324,18 +324,21 @@ controller)
   # 16; the sweep's CCHAINS and CTREES), with the graph-timed cost table it measures in-process; then the timeline of plain / fixed / controller
   # rounds at TLCONC (1 64: where the host waits, tools/controller_timeline.py; empty: none) and, unless
   # PROFILE_S=0, torchspec-profile's table over two context buckets and its plot (the rows of docs/bench/
-  # controller_h200.json are the drafters' files merged). CSTEP=pair: the controlled pair at CSHAPE (default
+  # controller_h200.json are the drafters' files merged); the first drafter's table serves the next (CCOSTS: a table
+  # from an earlier call, same key). CSTEP=pair: the controlled pair at CSHAPE (default
   # qwen3-8b), drafters CNOISE (default 0.0,untrained; CNUM prompts a timed run, 8; a shorter sweep, CCHAINS 1,3,5 and CTREES: an 8B step is
   # ~7x SmolLM2's). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request.
   if [ "${CSTEP:-smollm2}" = smollm2 ]; then
     join_target
     drafter=${SERVE:-}; drafter=${drafter%% *}; drafter=${drafter#*=}; [ -n "$drafter" ] || drafter=$(export_step eagle4)
+    costs=${CCOSTS:-}  # a table measured earlier (the first drafter's: the same export, so the same key)
     for name in ${CDRAFTERS:-untrained eagle4}; do  # one bench a drafter (~300 s each on an H200: one call each)
       timeout $(( $(left) - ${PROFILE_S:-90} )) python3 tools/bench_controller.py --target "$W/smollm2.gguf" \
-        --cache-dir "$W/cache" --drafter "$name=$drafter" --prompt-set mtbench --num-prompts "${CNUM:-16}" \
+        --cache-dir "$W/cache" --drafter "$name=$drafter" ${costs:+--costs "$costs"} --prompt-set mtbench --num-prompts "${CNUM:-16}" \
         --prompt-len 256 --max-new-tokens "${CNEW:-128}" --concurrency "${CCONC:-1,8,64}" \
         --chains "${CCHAINS:-1,2,3,4,5,6}" --trees "${CTREES:-3x4x8,4x4x16,5x8x32}" \
         --out "$RES/controller_${name}_h200.json" > "$RES/controller_$name.log" 2>&1; grep " c=" "$RES/controller_$name.log"
+      [ -n "$costs" ] || costs=$(ls "$RES/controller_${name}_h200.costs.json" 2>/dev/null)  # measured once a lease
     done
     for c in ${TLCONC-1 64}; do  # where the host waits (tools/controller_timeline.py), on the table just measured
       costs=$(ls "$RES"/controller_*_h200.costs.json | tail -1)

@@ -75,7 +75,7 @@ def test_random_rounds_decide_as_the_tensor_version_and_the_reference():
 
     gen = torch.Generator().manual_seed(7)
     seen_plan, seen_go, seen_alpha = set(), set(), set()
-    for i in range(120 if CUDA else 40):
+    for i in range(40):  # each new block size compiles the kernel (~2 s on the H200 machine): 40 rounds, ~40 compiles
         rows = int(torch.randint(1, 65 if i % 4 == 0 else 9, (1,), generator=gen))
         k = 1 if i % 5 == 0 else int(torch.randint(2, 9, (1,), generator=gen))  # a chain, or a k-wide tree
         drafted = int(torch.randint(1, 6, (1,), generator=gen))

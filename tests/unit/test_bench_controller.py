@@ -87,13 +87,19 @@ def test_a_real_target_with_its_drafter_untrained(tool, tmp_path, tiny_tokenizer
     assert rows["good"]["sweep"]["chain2"]["acceptance"] > rows["untrained"]["sweep"]["chain2"]["acceptance"]
 
 
-def test_without_a_table_the_costs_are_measured_and_written(tool, tmp_path):
+def test_without_a_table_the_costs_are_measured_and_written(tool, tmp_path, monkeypatch):
+    """Measured once for the run's drafters of one architecture (two noise levels: one profile), and written."""
+    import torchspec.runtime.cost_profile as cost_profile
+
+    profiles, real = [], cost_profile.profile_costs
+    monkeypatch.setattr(cost_profile, "profile_costs", lambda *a, **k: profiles.append(1) or real(*a, **k))
     out = tmp_path / "c.json"
-    tool.main(["--shape", "tiny", "--noise", "0.0", "--concurrency", "1", "--chains", "1", "--trees", "2x2x3",
-               "--max-new-tokens", "6", "--prompt-len", "6", "--repeats", "1", "--num-prompts", "1", "--device", "cpu",
-               "--out", str(out)])
+    tool.main(["--shape", "tiny", "--noise", "0.0,untrained", "--concurrency", "1", "--chains", "1", "--trees",
+               "2x2x3", "--max-new-tokens", "6", "--prompt-len", "6", "--repeats", "1", "--num-prompts", "1",
+               "--device", "cpu", "--out", str(out)])
     table = json.loads(out.with_suffix(".costs.json").read_text())
     assert table["version"] == 2 and len(table["round_ms"]) == 1 and table["nodes"][0] == 0 and table["batches"] == [1]
+    assert len(profiles) == 1 and len(json.loads(out.read_text())["rows"]) == 2
 
 
 def test_chain_from_batch_is_where_the_chain_keeps_winning(tool):
