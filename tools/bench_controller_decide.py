@@ -1,9 +1,9 @@
 """What the draft controller's decision after a round costs on the GPU: tensor operations against one Triton kernel.
 
-Ahead mode decides after every round (``controlled_drafting._decide_ahead``): the calibration's choice and
-evidence (a dozen tensor operations either way), then the criterion at each drafted depth and the next
-round's plan: ~100 more small kernels inside the round's CUDA graph as tensor operations
-(``controller_policy.decide_every_depth``), one as ``decide_triton.decide_every_depth_fused``. This times both the way a round
+Ahead mode decides after every round (``controlled_drafting._decide_ahead``): the calibration's choice of
+exponent and scale, the criterion at each drafted depth, the next round's plan and the calibration's evidence:
+~130 small kernels inside the round's CUDA graph as tensor operations (``Calibration.choice`` / ``evidence``,
+``controller_policy.decide_every_depth``), one as ``decide_triton.decide_every_depth_fused``. This times both the way a round
 runs them -- captured in a CUDA graph and replayed (median of device-event timings over ``--replays``
 replays, ``--repeats`` times; the inputs rotate among ``--sets`` random rounds so no cache holds them all) --
 for each padded batch and depth count at a SmolLM2-sized cost table, checks the two decide alike on every
@@ -69,7 +69,8 @@ def random_round(gen: torch.Generator, batch: int, depth: int, topk: int, dev: t
     def logp(*shape: int) -> torch.Tensor:
         return (torch.rand(*shape, generator=gen) * -4.0).to(dev)
     pool = torch.cat([logp(batch, topk) * (d + 1) for d in range(depth)], 1)
-    children = torch.stack([logp(batch, topk) * (d + 2) for d in range(depth)]).double()
+    fronts = torch.stack([logp(batch, topk) * (d + 1) for d in range(depth)])
+    edges = torch.stack([logp(batch, topk) for _ in range(depth)])
     valid = (torch.rand(batch, generator=gen) > 0.1).to(dev)
     valid[0] = True
     depth_ms = (0.1 + 0.02 * torch.rand(TABLE_DEPTHS, generator=gen)).float().to(dev)
@@ -78,7 +79,8 @@ def random_round(gen: torch.Generator, batch: int, depth: int, topk: int, dev: t
     cal = Calibration(dev)  # random evidence (expectations rising as the exponent falls): any exponent and scale
     cal.accepted.fill_(float(torch.rand(1, generator=gen)) * 6)
     cal.expected.copy_(torch.sort(torch.rand(len(cal.expected), generator=gen, dtype=torch.float64) * 6).values)
-    return {"pool": pool, "sizes": [topk * (d + 1) for d in range(depth)], "children": children, "valid": valid,
+    return {"pool": pool, "sizes": [topk * (d + 1) for d in range(depth)], "fronts": fronts, "edges": edges,
+            "valid": valid,
             "depth_ms": depth_ms, "verify_ms": verify_ms, "cal": cal}
 
 
@@ -87,23 +89,23 @@ def decide_tensor(r: dict, verified: int):
     cal = r["cal"]
     alpha, scale = cal.choice()
     cal.pending = cal.evidence(r["pool"], verified, r["valid"])
-    return decide_every_depth(r["pool"].double() * alpha, r["sizes"], r["children"] * alpha, r["depth_ms"],
-                              r["verify_ms"], r["valid"], scale, verified)
+    children = (r["fronts"].double() + r["edges"].double()) * alpha
+    return decide_every_depth(r["pool"].double() * alpha, r["sizes"], children, r["depth_ms"], r["verify_ms"],
+                              r["valid"], scale, verified)
 
 
 def decide_fused(r: dict, verified: int):
     """The same with the kernel (``controlled_drafting._decide_ahead`` on CUDA)."""
     from torchspec.runtime.decide_triton import decide_every_depth_fused
 
-    cal = r["cal"]
-    alpha, scale = cal.choice()
-    cal.pending = cal.evidence(r["pool"], verified, r["valid"])
-    return decide_every_depth_fused(r["pool"], r["sizes"], r["children"], r["depth_ms"], r["verify_ms"], r["valid"],
-                                    alpha, scale, verified)
+    plan, r["cal"].pending = decide_every_depth_fused(r["pool"], r["sizes"], r["fronts"], r["edges"], r["depth_ms"],
+                                                      r["verify_ms"], r["valid"], r["cal"], verified)
+    return plan
 
 
-def outputs(plan) -> list:
-    return [plan.go.tolist(), plan.width.tolist(), int(plan.next_depth), int(plan.next_width), int(plan.drafted)]
+def outputs(plan, cal: Calibration) -> list:
+    return [plan.go.tolist(), plan.width.tolist(), int(plan.next_depth), int(plan.next_width), int(plan.drafted),
+            cal.pending.tolist()]
 
 
 def time_us(fn, sets: list[dict], args) -> float:
@@ -151,7 +153,8 @@ def bench(args) -> dict:
             sets = [random_round(gen, b, d, args.topk, dev) for _ in range(args.sets)]
             if fused:  # the same decisions, bit for bit, on every set
                 for r in sets:
-                    want, got = outputs(decide_tensor(r, args.verified)), outputs(decide_fused(r, args.verified))
+                    want = outputs(decide_tensor(r, args.verified), r["cal"])
+                    got = outputs(decide_fused(r, args.verified), r["cal"])
                     if want != got:
                         raise AssertionError(f"batch {b} depth {d}: fused {got} != tensor {want}")
             tensor_us = time_us(decide_tensor, sets, args)

@@ -167,3 +167,28 @@ def test_controlled_greedy_equals_plain_on_the_gpu(pair, tiny_tokenizer, depth_m
     assert engine.free_pages == engine.total_pages
     if mode == "ahead":  # every planned shape ran as a captured graph
         assert len(engine.graphs) > 4 and not engine.graphs.failed
+
+
+def test_a_decision_kernel_that_cannot_be_built_falls_back_to_tensor_ops(pair, tiny_tokenizer, monkeypatch):
+    """A GPU or Triton that cannot build the kernel: one warning, then the same decisions as tensor operations,
+    the output still plain decoding's and every planned shape still a graph."""
+    import triton.errors
+
+    import torchspec.runtime.controlled_drafting as cd
+    import torchspec.runtime.decide_triton as dt
+
+    def unbuildable(*args, **kwargs):
+        raise triton.errors.TritonError("no kernel here")
+
+    monkeypatch.setattr(dt, "decide_every_depth_fused", unbuildable)
+    monkeypatch.setattr(cd, "_UNBUILT", [])
+    engine = engine_of(pair, cuda_graphs=True)
+    engine.runner.model.lm_head.weight.data.mul_(40.0)
+    ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "the cat sat")]
+    plain = engine.generate(ps, max_new_tokens=24, ignore_eos=True)
+    costs = linear_table(engine, 0.001, 0.001, widths=[1, 3], nodes=[0, 1, 2, 4, 8, 12])
+    out = engine.generate(ps, max_new_tokens=24, spec=SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12),
+                          ignore_eos=True, controller=costs, concurrency=2)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert cd._UNBUILT == ["TritonError: no kernel here"] and not engine.graphs.failed
+    assert max(w for _, w in engine.controller.trace) > 0

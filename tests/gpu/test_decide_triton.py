@@ -10,7 +10,7 @@ Calibration's decayed sums -- any exponent and scale -- or not, every verified w
 nodes, tied rates, every row dead, a width-0 table, the smallest exponent): the go flags, widths, the next
 round's plan and the verified nodes' expectation equal ``controller_policy.decide_every_depth`` on the
 path log-probabilities times the calibration's exponent (``Calibration.choice()``) and
-``reference_next_plan`` bit for bit.
+``reference_next_plan`` bit for bit, and the calibration's evidence ``Calibration.evidence``.
 """
 
 from __future__ import annotations
@@ -44,25 +44,32 @@ def _calibration(gen: torch.Generator, accepted: float | None = None):
 def _round(gen: torch.Generator, i: int, rows: int, k: int, drafted: int, sharp: float):
     from test_controller_policy import draft_scores
 
-    pools, children, sizes, each_pool = None, [], [], []
+    pools, fronts, edges, sizes, each_pool = None, [], [], [], []
     for depth in range(drafted):  # depth d's tree is the prefix of the next one's (the same seed)
         pool, front, edge = draft_scores(torch.Generator().manual_seed(i), rows, k, depth, 50, sharp)
         each_pool.append(pool.tolist())
-        children.append(front.double() + edge.double())
+        fronts.append(front)
+        edges.append(edge)
         sizes.append(pool.shape[1])
         pools = pool
-    return pools, sizes, torch.stack(children), each_pool, front, edge
+    return pools, sizes, torch.stack(fronts), torch.stack(edges), each_pool, front, edge
 
 
-def _compare(pools, sizes, children, depth_ms, verify_ms, valid, cal, verified):
+def _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified):
     from torchspec.runtime.controller_policy import decide_every_depth
     from torchspec.runtime.decide_triton import decide_every_depth_fused
 
+    pools, fronts, edges, valid = pools.to(DEV), fronts.to(DEV), edges.to(DEV), valid.to(DEV)
     alpha, scale = (torch.tensor(1.0, dtype=torch.float64, device=DEV), None) if cal is None else cal.choice()
-    want = decide_every_depth(pools.to(DEV).double() * alpha, sizes, children.to(DEV) * alpha, depth_ms.to(DEV),
-                              verify_ms.to(DEV), valid.to(DEV), scale, verified)
-    got = decide_every_depth_fused(pools.to(DEV), sizes, children.to(DEV), depth_ms.to(DEV), verify_ms.to(DEV),
-                                   valid.to(DEV), alpha, scale, verified)
+    children = (fronts.double() + edges.double()) * alpha
+    want = decide_every_depth(pools.double() * alpha, sizes, children, depth_ms.to(DEV), verify_ms.to(DEV), valid,
+                              scale, verified)
+    got, pending = decide_every_depth_fused(pools, sizes, fronts, edges, depth_ms.to(DEV), verify_ms.to(DEV), valid,
+                                            cal, verified)
+    if cal is None:
+        assert pending is None
+    else:  # the calibration's evidence, under every exponent
+        assert pending.tolist() == cal.evidence(pools, verified, valid).tolist()
     assert got.go.tolist() == want.go.tolist()
     assert got.width.tolist() == want.width.tolist()
     assert (int(got.next_depth), int(got.next_width)) == (int(want.next_depth), int(want.next_width))
@@ -86,9 +93,9 @@ def test_random_rounds_decide_as_the_tensor_version_and_the_reference():
         valid = torch.rand(rows, generator=gen) < 0.85
         cal = None if i % 3 == 0 else _calibration(gen)
         sharp = float(torch.rand(1, generator=gen)) * 8
-        pools, sizes, children, each_pool, front, edge = _round(gen, i, rows, k, drafted, sharp)
+        pools, sizes, fronts, edges, each_pool, front, edge = _round(gen, i, rows, k, drafted, sharp)
         verified = int(torch.randint(0, min(pools.shape[1], n_max) + 1, (1,), generator=gen))
-        want, a, scale = _compare(pools, sizes, children, depth_ms, verify_ms, valid, cal, verified)
+        want, a, scale = _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified)
         plan = reference_next_plan([[[x * a for x in row] for row in pool] for pool in each_pool],
                                    (front.double() * a).tolist(), (edge.double() * a).tolist(), depth_ms.tolist(),
                                    verify_ms.tolist(), valid.tolist(), scale)
@@ -104,17 +111,18 @@ def test_random_rounds_decide_as_the_tensor_version_and_the_reference():
 def test_edge_cases(case):
     gen = torch.Generator().manual_seed(11)
     rows, k, drafted = 4, 3, 3
-    pools, sizes, children, *_ = _round(gen, 3, rows, k, drafted, 4.0)
+    pools, sizes, fronts, edges, *_ = _round(gen, 3, rows, k, drafted, 4.0)
     depth_ms = torch.full((drafted + 1,), 0.1, dtype=torch.float64)
     verify_ms = 1 + 0.01 * torch.arange(17, dtype=torch.float64)
     valid = torch.ones(rows, dtype=torch.bool)
     cal, verified = _calibration(gen), 4
     if case == "minus_inf":  # nodes a round never drafted (masked rows of the pool) and children with no edge
         pools[:, 1::2] = float("-inf")
-        children[:, :, 0] = float("-inf")
+        fronts[:, :, 0] = float("-inf")
     elif case == "ties":  # every node equally likely and every depth free: equal rates everywhere
         pools.fill_(-1.0)
-        children.fill_(-2.0)
+        fronts.fill_(-1.0)
+        edges.fill_(-1.0)
         depth_ms.fill_(0.0)
         verify_ms.fill_(1.0)
     elif case == "all_dead":
@@ -124,7 +132,7 @@ def test_edge_cases(case):
     else:  # an underconfident drafter's evidence: path probabilities read as p^0.125
         cal = _calibration(gen, accepted=40.0)
         assert float(cal.choice()[0]) == 0.125
-    _compare(pools, sizes, children, depth_ms, verify_ms, valid, cal, verified)
+    _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified)
 
 
 def test_sizes_that_do_not_grow_by_one_step_are_refused():
@@ -134,7 +142,6 @@ def test_sizes_that_do_not_grow_by_one_step_are_refused():
     assert fused_sizes([4, 12, 16]) is None
     pool = torch.zeros(2, 16, device=DEV)
     with pytest.raises(ValueError, match="one step a depth"):
-        decide_every_depth_fused(pool, [4, 12, 16], torch.zeros(3, 2, 4, dtype=torch.float64, device=DEV),
+        decide_every_depth_fused(pool, [4, 12, 16], torch.zeros(3, 2, 4, device=DEV), torch.zeros(3, 2, 4, device=DEV),
                                  torch.ones(3, device=DEV), torch.ones(9, device=DEV),
-                                 torch.ones(2, dtype=torch.bool, device=DEV),
-                                 torch.ones((), dtype=torch.float64, device=DEV), None, 0)
+                                 torch.ones(2, dtype=torch.bool, device=DEV), None, 0)

@@ -38,6 +38,7 @@ class Calibration:
                              f"prior > 0 and most >= 1.")
         self.decay, self.prior, self.most = decay, prior, most
         self.alphas = torch.tensor(ALPHAS, dtype=torch.float64, device=device)
+        self.limits = torch.tensor([prior, most], dtype=torch.float64, device=device)  # read by decide_triton
         self.accepted = torch.zeros((), dtype=torch.float64, device=device)
         self.expected = torch.zeros(len(ALPHAS), dtype=torch.float64, device=device)
         self.pending: torch.Tensor | None = None  # this round's expectations [len(ALPHAS)], until its verification

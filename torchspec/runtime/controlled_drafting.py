@@ -47,6 +47,7 @@ decision the controller takes: widths 0 .. N and stops at every depth).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -78,6 +79,8 @@ CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP 
 DENSE_WIDTHS = 8  # ahead mode verifies any width up to this; beyond it, only the node counts the table measured
 UNMEASURED_MS = 1e9  # the verify cost of a width beyond DENSE_WIDTHS the table did not measure (never chosen)
 DECIDE_ENV = "TORCHSPEC_CONTROLLER_DECIDE"  # "fused" (default: one Triton kernel on CUDA) or "tensor"
+_UNBUILT: list[str] = []  # why the decision kernel could not be built here, once it could not (then: tensor ops)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -285,13 +288,15 @@ def draft_ahead_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInput
     drafted, its ``costs.plan`` width verified -> (tree, the next round's plan [2] int64: depth, width), the
     criterion evaluated after every depth on the GPU, all at once after the round (``decide_every_depth``:
     the decisions ``decide_after_depth`` takes depth by depth, in a fraction of the kernels; no host read)."""
-    children, sizes = [], []
+    fronts, edges, sizes = [], [], []
     pool: TreePool | None = None
     for pool in grow_dynamic_tree(runner, cache, inp, spec, SamplingParams(), frontier_at_last=True):
-        children.append(pool.front_sc.double() + pool.front_edge().double())  # each frontier node's predicted child
+        fronts.append(pool.front_sc)  # each frontier node's path; plus its best edge: its predicted child
+        edges.append(pool.front_edge())
         sizes.append(sum(sc.shape[1] for sc in pool.sc))  # static: the nodes drafted up to this depth
     m = costs.plan[1]
-    plan = _decide_ahead(torch.cat(pool.sc, 1), sizes, torch.stack(children), costs, inp.row_valid, m)
+    plan = _decide_ahead(torch.cat(pool.sc, 1), sizes, torch.stack(fronts), torch.stack(edges), costs,
+                         inp.row_valid, m)
     return pool.tree(inp.root, m), torch.stack([plan.next_depth, plan.next_width])
 
 
@@ -303,24 +308,30 @@ def decide_how() -> str:
     return how
 
 
-def _decide_ahead(pool_logp: torch.Tensor, sizes: list[int], children: torch.Tensor, costs: RoundCosts,
-                  row_valid: torch.Tensor, m: int) -> RoundPlan:
+def _decide_ahead(pool_logp: torch.Tensor, sizes: list[int], fronts: torch.Tensor, edges: torch.Tensor,
+                  costs: RoundCosts, row_valid: torch.Tensor, m: int) -> RoundPlan:
     """``decide_every_depth`` on the path probabilities as the calibration reads them (``Calibration.choice``:
     p^a, scaled), and the evidence the ``m`` verified nodes expect (``calibration.pending``): on CUDA in one
-    Triton launch (``decide_triton.py``; the same decisions bit for bit), else as tensor operations;
-    ``TORCHSPEC_CONTROLLER_DECIDE=tensor`` forces the latter (to compare)."""
+    Triton launch with the calibration's choice and evidence (``decide_triton.py``; the same decisions bit for
+    bit), else as tensor operations; ``TORCHSPEC_CONTROLLER_DECIDE=tensor`` forces the latter (to compare)."""
     cal = costs.calibration
+    if decide_how() == "fused" and pool_logp.is_cuda and not _UNBUILT:
+        from triton.errors import TritonError  # CUDA builds of torch ship Triton
+
+        from torchspec.runtime.decide_triton import decide_every_depth_fused, fused_sizes
+        if fused_sizes(sizes) is not None:
+            try:  # built at the first call: a graph's warm-up, before any capture
+                plan, cal.pending = decide_every_depth_fused(pool_logp, sizes, fronts, edges, costs.depth_ms,
+                                                             costs.verify_ms, row_valid, cal, m)
+                return plan
+            except TritonError as e:  # a GPU or Triton that cannot build it: the same decisions as tensor ops
+                log.warning("the controller's decision kernel could not be built (%s: %s); deciding with tensor "
+                            "operations instead (slower by ~0.15 ms a round).", type(e).__name__, e)
+                _UNBUILT.append(f"{type(e).__name__}: {e}")
     alpha, scale = cal.choice()
     cal.pending = cal.evidence(pool_logp, m, row_valid)
-    if decide_how() == "fused" and pool_logp.is_cuda:
-        from torchspec.runtime.decide_triton import (  # CUDA builds ship Triton
-            decide_every_depth_fused,
-            fused_sizes,
-        )
-        if fused_sizes(sizes) is not None:
-            return decide_every_depth_fused(pool_logp, sizes, children, costs.depth_ms, costs.verify_ms, row_valid,
-                                            alpha, scale, m)
-    return decide_every_depth(pool_logp.double() * alpha, sizes, children * alpha, costs.depth_ms, costs.verify_ms,
+    children = (fronts.double() + edges.double()) * alpha  # each frontier node's predicted child
+    return decide_every_depth(pool_logp.double() * alpha, sizes, children, costs.depth_ms, costs.verify_ms,
                               row_valid, scale, m)
 
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from torchspec.runtime.calibration import ALPHAS, Calibration
 from torchspec.runtime.controller_policy import NS_PER_MS, PROB_ONE, SCALE_ONE, RoundPlan
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -71,26 +72,41 @@ def _best_width(units, live_units, scale, drafted_ns, verify_ns, size, NMAX, n):
 
 @triton.jit
 def _decide_kernel(
-    pool_ptr, children_ptr, depth_ms_ptr, verify_ms_ptr, valid_ptr, alpha_ptr, scale_ptr, go_ptr, width_ptr, ints_ptr,
+    pool_ptr, front_ptr, edge_ptr, depth_ms_ptr, verify_ms_ptr, valid_ptr,
+    accepted_ptr, expected_ptr, limits_ptr, alphas_ptr, go_ptr, width_ptr, ints_ptr, pending_ptr,
     B, P, F, T, NMAX, FIRST, STEP, VERIFIED,  # runtime: one compiled kernel serves every batch, width and table
-    D: tl.constexpr, SCALED: tl.constexpr, EXACT: tl.constexpr, BB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+    D: tl.constexpr, A: tl.constexpr, CALIBRATED: tl.constexpr, EXACT: tl.constexpr,
+    BB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr,
 ):
     rows = tl.arange(0, BB)
     n = tl.arange(0, BG)  # a pool column, and a width
     live = tl.load(valid_ptr + rows, mask=rows < B, other=0) != 0  # [BB]
     live_units = tl.sum(live.to(tl.int64), axis=0) * _PROB_ONE  # every live row emits the target's token
-    alpha = tl.load(alpha_ptr)  # the calibration's exponent: every path log-probability times alpha (float64)
-    if SCALED:
-        scale = tl.load(scale_ptr)  # int64, units of SCALE_ONE
+    r2 = rows[:, None]
+    c2 = n[None, :]
+    raw = tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf")).to(tl.float64)
+    if CALIBRATED:  # Calibration.choice(): the exponent whose expectation is nearest, then the remaining scale
+        a_idx = tl.arange(0, BA)
+        alphas = tl.load(alphas_ptr + a_idx, mask=a_idx < A, other=1.0)
+        prior = tl.load(limits_ptr)
+        ratio = (tl.load(accepted_ptr) + prior) / (tl.load(expected_ptr + a_idx, mask=a_idx < A, other=0.0) + prior)
+        off = tl.where(a_idx < A, tl.maximum(ratio, 1.0 / ratio), float("inf"))
+        at = tl.min(tl.where(off == tl.min(off, axis=0), a_idx, BA), axis=0)  # the first minimum
+        alpha = tl.sum(tl.where(a_idx == at, alphas, 0.0), axis=0)
+        scale = _rint(tl.minimum(tl.sum(tl.where(a_idx == at, ratio, 0.0), axis=0), tl.load(limits_ptr + 1)) * _SCALE_ONE)
+        ranked_raw = tl.sort(raw, dim=1, descending=True)  # Calibration.evidence(): the verified best of each row
+        for a in tl.static_range(A):  # ... under every exponent
+            units = tl.floor(_exp64(ranked_raw * tl.load(alphas_ptr + a), EXACT) * _PROB_ONE).to(tl.int64)
+            units = tl.where(live[:, None] & (c2 < VERIFIED), units, 0)
+            tl.store(pending_ptr + a, tl.sum(tl.sum(units, axis=1), axis=0).to(tl.float64) / _PROB_ONE)
     else:
+        alpha = 1.0
         scale = _SCALE_ONE
     t_idx = tl.arange(0, BT)
     depth_ns = _rint(tl.load(depth_ms_ptr + t_idx, mask=t_idx < T, other=0.0).to(tl.float64) * _NS_PER_MS)
     depth_ns = tl.where(t_idx < T, depth_ns, 0)
     verify_ns = _rint(tl.load(verify_ms_ptr + n, mask=n <= NMAX, other=1.0).to(tl.float64) * _NS_PER_MS)
-    r2 = rows[:, None]
-    c2 = n[None, :]
-    logp = tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf")).to(tl.float64) * alpha
+    logp = raw * alpha  # every path log-probability as the calibration reads it
     pool_units = tl.where(live[:, None] & (c2 < P), tl.floor(_exp64(logp, EXACT) * _PROB_ONE).to(tl.int64), 0)
     best_rate = -2.0
     best_depth = 0
@@ -101,8 +117,10 @@ def _decide_kernel(
         current = tl.where(c2 < size, pool_units, 0)
         rate, width, unscaled = _best_width(current, live_units, scale, drafted_ns, verify_ns, size, NMAX, n)
         child_at = c2 - P
-        child = tl.load(children_ptr + t * B * F + r2 * F + child_at, mask=(r2 < B) & (child_at >= 0) & (child_at < F),
-                        other=float("-inf")) * alpha
+        at_child = (r2 < B) & (child_at >= 0) & (child_at < F)
+        front = tl.load(front_ptr + t * B * F + r2 * F + child_at, mask=at_child, other=float("-inf")).to(tl.float64)
+        edge = tl.load(edge_ptr + t * B * F + r2 * F + child_at, mask=at_child, other=0.0).to(tl.float64)
+        child = (front + edge) * alpha  # each frontier node's predicted child: its path plus its best edge
         child_units = tl.where(live[:, None] & (child_at >= 0) & (child_at < F),
                                tl.floor(_exp64(child, EXACT) * _PROB_ONE).to(tl.int64), 0)
         grown = tl.where(c2 < P, current, child_units)
@@ -131,32 +149,41 @@ def fused_sizes(sizes: list[int]) -> tuple[int, int] | None:
     return sizes[0], step
 
 
-def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], children_logp: torch.Tensor,
-                             depth_ms: torch.Tensor, verify_ms: torch.Tensor, row_valid: torch.Tensor,
-                             alpha: torch.Tensor, scale: torch.Tensor | None, verified: int) -> RoundPlan:
-    """``decide_every_depth(pool_logp.double() * alpha, sizes, children_logp * alpha, depth_ms, verify_ms,
-    row_valid, scale, verified)`` in one launch (``alpha`` 0-d float64 and ``scale`` 0-d int64 or None: the
-    calibration's ``choice()``). Sizes must grow by one step (``fused_sizes``); shapes are checked as the
-    tensor version checks them."""
+def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_logp: torch.Tensor,
+                             edge_logp: torch.Tensor, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
+                             row_valid: torch.Tensor, calibration: Calibration | None,
+                             verified: int) -> tuple[RoundPlan, torch.Tensor | None]:
+    """In one launch: with ``alpha, scale = calibration.choice()``, ``decide_every_depth(pool_logp.double() * alpha,
+    sizes, (front_logp.double() + edge_logp.double()) * alpha, depth_ms, verify_ms, row_valid, scale, verified)``
+    and ``calibration.evidence(pool_logp, verified, row_valid)`` -> (the RoundPlan, that evidence [A] float64);
+    ``calibration`` None: the confidence as is (exponent 1, no scale; evidence None). front_logp / edge_logp
+    [D, B, F]: each depth's frontier paths and their best edges. Sizes must grow by one step (``fused_sizes``);
+    shapes are checked as the tensor version checks them."""
     d, (b, p) = len(sizes), pool_logp.shape
-    f = children_logp.shape[-1]
+    f = front_logp.shape[-1]
     t, n_max, dev = depth_ms.shape[0], verify_ms.shape[0] - 1, pool_logp.device
     first_step = fused_sizes(sizes)
-    if first_step is None or children_logp.shape != (d, b, f) or sizes[-1] != p or d > t or not 0 <= verified <= min(n_max, p):
+    if (first_step is None or front_logp.shape != (d, b, f) or edge_logp.shape != (d, b, f) or sizes[-1] != p
+            or d > t or not 0 <= verified <= min(n_max, p)):
         raise ValueError(f"decide_every_depth_fused: sizes {sizes} (one step a depth, up to the pool's {p} nodes), "
-                         f"children {tuple(children_logp.shape)} ([{d}, {b}, F]), {t} table depths (>= {d}) and "
-                         f"verified={verified} (<= {min(n_max, p)}) do not fit; use decide_every_depth.")
+                         f"frontier {tuple(front_logp.shape)} and edges {tuple(edge_logp.shape)} ([{d}, {b}, F]), "
+                         f"{t} table depths (>= {d}) and verified={verified} (<= {min(n_max, p)}) do not fit; use "
+                         f"decide_every_depth.")
     go = torch.empty(d, dtype=torch.bool, device=dev)
     width = torch.empty(d, dtype=torch.long, device=dev)
     ints = torch.empty(3, dtype=torch.long, device=dev)  # next depth, next width, drafted
+    a = len(ALPHAS)
+    pending = torch.empty(a, dtype=torch.float64, device=dev)
+    cal = calibration
     _decide_kernel[(1,)](
-        pool_logp.contiguous(), children_logp.double().contiguous(), depth_ms, verify_ms, row_valid,
-        alpha.double(), ints if scale is None else scale, go, width, ints,
-        b, p, f, t, n_max, first_step[0], first_step[1], verified, D=d, SCALED=scale is not None, EXACT=not INTERPRET,
-        BB=triton.next_power_of_2(b), BG=triton.next_power_of_2(max(p + f, n_max) + 1), BT=triton.next_power_of_2(t),
-        num_warps=4 if b * (p + f) <= 4096 else 8,
+        pool_logp.contiguous(), front_logp.contiguous(), edge_logp.contiguous(), depth_ms, verify_ms, row_valid,
+        *((cal.accepted, cal.expected, cal.limits, cal.alphas) if cal is not None else (pending,) * 4),
+        go, width, ints, pending,
+        b, p, f, t, n_max, first_step[0], first_step[1], verified, D=d, A=a, CALIBRATED=cal is not None,
+        EXACT=not INTERPRET, BB=triton.next_power_of_2(b), BG=triton.next_power_of_2(max(p + f, n_max) + 1),
+        BT=triton.next_power_of_2(t), BA=triton.next_power_of_2(a), num_warps=4 if b * (p + f) <= 4096 else 8,
     )
-    return RoundPlan(go, width, ints[0], ints[1], ints[2])
+    return RoundPlan(go, width, ints[0], ints[1], ints[2]), pending if cal is not None else None
 
 
 __all__ = ["decide_every_depth_fused", "fused_sizes"]
