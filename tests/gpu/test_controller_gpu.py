@@ -85,7 +85,8 @@ def test_random_rounds_decide_on_the_gpu_like_the_reference():
 def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_tokenizer, monkeypatch):
     """Every decision of a real controlled generation on the GPU, replayed through the reference: host-chained
     ("within": ``decide_after_depth`` after each depth) and planned ahead (``decide_every_depth`` after the round,
-    each depth's go flag and width against the reference at that depth, and the next round's plan)."""
+    and the decision kernel: each depth's go flag and width against the reference at that depth, the next
+    round's plan, and the kernel's calibration evidence against ``Calibration.evidence``)."""
     import torchspec.runtime.controlled_drafting as cd
 
     within, ahead = [], []
@@ -104,16 +105,34 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
                                         plan.go, plan.width, plan.drafted, torch.stack([plan.next_depth, plan.next_width]))])
         return plan
 
+    import torchspec.runtime.decide_triton as dt
+
+    real_fused, fused = dt.decide_every_depth_fused, []
+
+    def kernel(pool, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified):
+        alpha, scale = cal.choice()  # what the kernel must choose from the same evidence
+        evidence = cal.evidence(pool, verified, valid)
+        plan, pending = real_fused(pool, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified)
+        assert pending.tolist() == evidence.tolist()
+        children = (fronts.double() + edges.double()) * alpha  # the inputs the tensor version decides on
+        fused.append([host(t) for t in (pool.double() * alpha, list(sizes), children, depth_ms, verify_ms, valid,
+                                        scale, verified, plan.go, plan.width, plan.drafted,
+                                        torch.stack([plan.next_depth, plan.next_width]))])
+        return plan, pending
+
     monkeypatch.setattr(cd, "decide_after_depth", after)
     monkeypatch.setattr(cd, "decide_every_depth", every)
+    monkeypatch.setattr(dt, "decide_every_depth_fused", kernel)
     engine = engine_of(pair)
     engine.runner.model.lm_head.weight.data.mul_(40.0)  # confident, so rounds go deep (test_controlled_drafting.py)
     ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "one two three", "alpha")]
-    for mode in ("within", "ahead"):
+    for mode, decide in (("within", "tensor"), ("ahead", "tensor"), ("ahead", "fused")):
+        monkeypatch.setenv("TORCHSPEC_CONTROLLER_DECIDE", decide)
         engine.generate(ps, max_new_tokens=24, spec=SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12),
                         ignore_eos=True, controller_mode=mode,
                         controller=linear_table(engine, 0.05, 0.02, widths=[1, 3], nodes=[0, 1, 2, 4, 8, 12]))
-    assert len(within) > 10 and len(ahead) > 3
+    assert len(within) > 10 and len(ahead) > 3 and len(fused) > 3
+    ahead += fused  # the kernel's decisions on real rounds, against the reference as the tensor version's
     for pool, front, edge, depth, depth_ms, verify_ms, valid, scale in within:
         s = None if scale is None else int(scale)
         got, want = decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, s)
@@ -192,3 +211,20 @@ def test_a_decision_kernel_that_cannot_be_built_falls_back_to_tensor_ops(pair, t
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     assert cd._UNBUILT == ["TritonError: no kernel here"] and not engine.graphs.failed
     assert max(w for _, w in engine.controller.trace) > 0
+
+
+def test_a_new_table_calibrates_a_new_calibration_in_new_graphs(pair, tiny_tokenizer):
+    """Graphs capture the calibration's tensors: a new cost table (a new calibration) must not replay the graphs
+    of the last one, which would go on updating the old evidence while the new one stays empty."""
+    engine = engine_of(pair, cuda_graphs=True)
+    engine.runner.model.lm_head.weight.data.mul_(40.0)
+    ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "the cat sat")]
+    spec = SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12)
+    seen = []
+    for seed in range(2):
+        costs = linear_table(engine, 0.001, 0.001, widths=[1, 3], nodes=[0, 1, 2, 4, 8, 12], seed=seed)
+        engine.generate(ps, max_new_tokens=24, spec=spec, ignore_eos=True, controller=costs, concurrency=2)
+        cal = engine.controller.calibration
+        seen.append(cal)
+        assert float(cal.accepted) > 0 and float(cal.expected[0]) > 0  # this table's rounds fed this calibration
+    assert seen[0] is not seen[1] and seen[0].serial != seen[1].serial

@@ -17,10 +17,13 @@ accepted) keeps a = 1 and is scaled towards 0: verified for a round or two, then
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from torchspec.runtime.controller_policy import PROB_ONE, SCALE_ONE
 
+_SERIALS = itertools.count()  # a calibration's number: graphs that read it are keyed by it, never by id()
 ALPHAS = (1.0, 0.5, 0.25, 0.125)  # exponents of the path probabilities (powers of two: p^a's logp * a is exact)
 
 
@@ -37,6 +40,7 @@ class Calibration:
             raise ValueError(f"Calibration(decay={decay}, prior={prior}, most={most}): need 0 < decay < 1, "
                              f"prior > 0 and most >= 1.")
         self.decay, self.prior, self.most = decay, prior, most
+        self.serial = next(_SERIALS)  # CUDA graphs capture these tensors' addresses: a new calibration, new graphs
         self.alphas = torch.tensor(ALPHAS, dtype=torch.float64, device=device)
         self.limits = torch.tensor([prior, most], dtype=torch.float64, device=device)  # read by decide_triton
         self.accepted = torch.zeros((), dtype=torch.float64, device=device)

@@ -4,17 +4,19 @@
 plans the next round in ~60 tensor operations (~110 counted on the tiny pair, ``tools/count_round_ops.py``):
 inside a CUDA graph each is a launch of a few microseconds, so at SmolLM2's size deciding cost about as much
 GPU time as a draft depth (on an H200, 155-195 us a decision against 5-30 us fused at batch 1-8,
-``tools/bench_controller_decide.py``). ``decide_every_depth_fused`` does it in one program: every drafted
-node's probability in fixed point (its path log-probability times the calibration's exponent), each depth's
-pool (and its predicted children) sorted per row and summed over the live rows, the expected tokens of every
-width scaled by the calibration, their rates against the costs, the go flags, the chosen widths, the next
-round's (depth, width) and what its verified nodes expect. The calibration's choice and evidence
-(``calibration.py``) stay a dozen tensor operations.
+``tools/bench_controller_decide.py``). ``decide_every_depth_fused`` does it in one program: the calibration's
+choice (``Calibration.choice``: the exponent whose decayed expectation is nearest the accepted tokens, and
+the remaining scale), every drafted node's probability in fixed point (its path log-probability times that
+exponent), each depth's pool (and its predicted children: frontier path plus best edge) sorted per row and
+summed over the live rows, the expected tokens of every width, their rates against the costs, the go flags,
+the chosen widths, the next round's (depth, width), and the calibration's evidence
+(``Calibration.evidence``: the verified nodes' expectation under every exponent).
 
 **The same decisions bit for bit.** Every step is the tensor version's arithmetic in the same types: float64
 ``exp`` (libdevice's, which CUDA's own ``exp`` is), ``floor`` to int64 fixed point, costs rounded to integer
 nanoseconds half to even (``torch.round``), exact int64 sums in any order, one float64 division a rate, and
-the first maximum on ties. ``tests/gpu/test_decide_triton.py`` checks it against the tensor version and the
+the first maximum or minimum on ties; the exponents are powers of two, so scaling a log-probability is exact
+in any order. ``tests/gpu/test_decide_triton.py`` checks it against the tensor version and the
 plain-Python reference on random rounds and on the edge cases (dead rows, -inf nodes, tied rates, capped
 depths); under Triton's interpreter (CPU) the ``exp`` is NumPy's, which may differ by one float64 ulp.
 

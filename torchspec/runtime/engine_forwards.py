@@ -129,7 +129,7 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
         name = "spec"
     label = name if costs is None else f"d{costs.plan[0]}w{costs.plan[1]}" if costs.plan is not None else "spec"
     kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
-    key = (name, len(active), spec, kind, cols, costs and (costs.plan, costs.flush))
+    key = (name, len(active), spec, kind, cols, costs and (costs.plan, costs.flush, costs.calibration.serial))
     stateful = deferring or costs is not None  # deferred drafter entries, the calibration's evidence
     out = step(**args) if engine.graphs is None else run_graph(engine, key, step, args, stateful)
     store_round(engine, index, out)
