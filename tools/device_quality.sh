@@ -327,7 +327,8 @@ controller)
   # controller_h200.json are the drafters' files merged); the first drafter's table serves the next (CCOSTS: a table
   # from an earlier call, same key). CSTEP=pair: the controlled pair at CSHAPE (default
   # qwen3-8b), drafters CNOISE (default 0.0,untrained; CNUM prompts a timed run, 8; a shorter sweep, CCHAINS 1,3,5 and CTREES: an 8B step is
-  # ~7x SmolLM2's). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request.
+  # ~7x SmolLM2's; CCOSTS: a table measured in an earlier call, e.g. docs/bench/controller_pair_smollm2_h200_s17.costs.json
+  # for CSHAPE=smollm2-135m). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request.
   if [ "${CSTEP:-smollm2}" = smollm2 ]; then
     join_target
     drafter=${SERVE:-}; drafter=${drafter%% *}; drafter=${drafter#*=}; [ -n "$drafter" ] || drafter=$(export_step eagle4)
@@ -352,7 +353,7 @@ controller)
       --nodes 0,1,2,4,8,16,32 --timing graph --out "$RES/costs_smollm2_h200.json" --plot "$RES/costs_smollm2_h200.png" \
       > "$RES/profile_costs.log" 2>&1 && tail -n 5 "$RES/profile_costs.log"
   else
-    timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --shape "${CSHAPE:-qwen3-8b}" \
+    timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --shape "${CSHAPE:-qwen3-8b}" ${CCOSTS:+--costs "$CCOSTS"} \
       --noise "${CNOISE:-0.0,untrained}" --max-new-tokens "${CNEW:-64}" --concurrency "${CCONC:-1,8,64}" \
       --num-prompts "${CNUM:-8}" --chains "${CCHAINS:-1,3,5}" --trees "${CTREES:-3x4x8,4x4x16,5x8x32}" \
       --out "$RES/controller_${CSHAPE:-qwen3-8b}_h200.json" > "$RES/controller_pair.log" 2>&1
