@@ -167,7 +167,7 @@ def bench_prompts(args, engine, n: int, g: torch.Generator) -> list[list[int]]:
     return torch.randint(0, engine.decoder.vocab_size, (n, args.prompt_len), generator=g).tolist()
 
 
-def cost_table(args, engine, controlled: SpecConfig, measured: dict):
+def cost_table(args, engine, controlled: SpecConfig, measured: dict | None = None):
     """``--costs``, else the table measured in this run for the same key (drafters of one architecture: a
     profile takes minutes of a GPU lease), else measured now and written beside ``--out``."""
     from torchspec.runtime.cost_profile import profile_costs
@@ -176,6 +176,7 @@ def cost_table(args, engine, controlled: SpecConfig, measured: dict):
     key = cost_key(engine.decoder, engine.runner)
     if args.costs:
         return CostTable.load(args.costs, key)
+    measured = {} if measured is None else measured
     if key in measured:
         return measured[key]
     n = controlled.num_nodes

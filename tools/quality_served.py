@@ -40,6 +40,10 @@ class _Recorder:
     def decode_rounds(self) -> int:  # measure's round count (round_ms)
         return self.engine.decode_rounds
 
+    @property
+    def round_kinds(self) -> dict:  # measure's rounds by kind
+        return self.engine.round_kinds
+
 
 def timed(engine, prompts: list[list[int]], spec, temperature: float, max_new: int, seed: int, c: int):
     """A warm-up (CUDA-graph capture), then ``recipes.bench.measure`` -> (its numbers, the results)."""
