@@ -287,6 +287,24 @@ def plot_split_sweep(sources: dict[str, Path], out: Path) -> None:
     plt.close(fig)
 
 
+def plot_controller_decide(src: Path, out: Path) -> None:
+    """The draft controller's decision after a round: tensor ops against the one kernel (us, graph replays)."""
+    data = json.loads(src.read_text())
+    rows = [r for r in data["rows"] if r["fused_us"] is not None]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.bar([i - 0.2 for i in x], [r["tensor_us"] for r in rows], 0.4, label="tensor ops (~100 kernels)")
+    ax.bar([i + 0.2 for i in x], [r["fused_us"] for r in rows], 0.4, label="one Triton kernel")
+    ax.set_xticks(list(x), [f"b={r['batch']}\n{r['depths']} depth{'s' if r['depths'] > 1 else ''}" for r in rows])
+    ax.set_ylabel("us a decision")
+    ax.set_ylim(0, 1.35 * max(r["tensor_us"] for r in rows))  # room for the legend
+    ax.set_title(f"The controller's decision after a round ({data['device']}, CUDA-graph replays)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     bench, img = ROOT / "docs" / "bench", ROOT / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -323,4 +341,6 @@ if __name__ == "__main__":
              "Qwen3-8B attention": bench / "attention_split_sweep_qwen3_8b_h200.json"}
     if all(p.exists() for p in sweep.values()):
         plot_split_sweep(sweep, img / "attention_split_sweep.png")
+    if (bench / "controller_decide_h200.json").exists():
+        plot_controller_decide(bench / "controller_decide_h200.json", img / "controller_decide_h200.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))
