@@ -324,7 +324,7 @@ def _decide_ahead(pool_logp: torch.Tensor, sizes: list[int], fronts: torch.Tenso
                 plan, cal.pending = decide_every_depth_fused(pool_logp, sizes, fronts, edges, costs.depth_ms,
                                                              costs.verify_ms, row_valid, cal, m)
                 return plan
-            except TritonError as e:  # a GPU or Triton that cannot build it: the same decisions as tensor ops
+            except (TritonError, RuntimeError) as e:  # cannot be built here (Triton's passes raise RuntimeError)
                 log.warning("the controller's decision kernel could not be built (%s: %s); deciding with tensor "
                             "operations instead (slower by ~0.15 ms a round).", type(e).__name__, e)
                 _UNBUILT.append(f"{type(e).__name__}: {e}")
