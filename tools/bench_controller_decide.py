@@ -23,6 +23,7 @@ import pathlib
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -31,7 +32,8 @@ from recipes.bench import csv_values  # noqa: E402
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
 from torchspec.runtime.calibration import Calibration  # noqa: E402
-from torchspec.runtime.controller_policy import decide_every_depth  # noqa: E402
+from torchspec.runtime.controlled_drafting import decide_every_depth_calibrated  # noqa: E402
+from torchspec.runtime.cost_profile import graph_replay  # noqa: E402
 
 TABLE_DEPTHS = 6  # the cost table's depths (a SmolLM2 round: ~0.1 ms a depth, ~1 ms a verify forward)
 
@@ -85,13 +87,11 @@ def random_round(gen: torch.Generator, batch: int, depth: int, topk: int, dev: t
 
 
 def decide_tensor(r: dict, verified: int):
-    """What ahead mode runs after a round without the kernel: the calibration's choice and evidence, the decision."""
-    cal = r["cal"]
-    alpha, scale = cal.choice()
-    cal.pending = cal.evidence(r["pool"], verified, r["valid"])
-    children = (r["fronts"].double() + r["edges"].double()) * alpha
-    return decide_every_depth(r["pool"].double() * alpha, r["sizes"], children, r["depth_ms"], r["verify_ms"],
-                              r["valid"], scale, verified)
+    """What ahead mode runs after a round without the kernel (``controlled_drafting``)."""
+    plan, r["cal"].pending = decide_every_depth_calibrated(r["pool"], r["sizes"], r["fronts"], r["edges"],
+                                                           r["depth_ms"], r["verify_ms"], r["valid"], r["cal"],
+                                                           verified)
+    return plan
 
 
 def decide_fused(r: dict, verified: int):
@@ -118,18 +118,7 @@ def time_us(fn, sets: list[dict], args) -> float:
                 fn(sets[i % len(sets)], args.verified)
             times.append((time.perf_counter() - t0) / args.replays * 1e6)
         return statistics.median(times)
-    graphs = []
-    for r in sets:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn(r, args.verified)  # compile, load, warm up (torch's rule: a side stream before capture)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(r, args.verified)
-        graphs.append(g)
+    graphs = [graph_replay(partial(fn, r, args.verified), 1)[1] for r in sets]  # warmed up, then captured
     times = []
     for _ in range(args.repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -165,7 +165,7 @@ def test_calibration_is_the_decayed_ratio_and_drifts_back_without_evidence():
     for _ in range(8):  # rounds that verify nothing: the evidence decays, the scale returns toward 1
         cal.pending = torch.zeros(4, dtype=torch.float64)
         cal.observe(torch.tensor([0, 0]), torch.tensor([True, True]))
-        scales.append(int(cal.scale()))
+        scales.append(int(cal.choice()[1]))
     assert scales == sorted(scales) and scales[-1] > 0.9 * SCALE_ONE
     cal.pending = torch.ones(4, dtype=torch.float64)
     cal.observe(torch.tensor([4, 9]), torch.tensor([True, False]))  # a padded row's count is not evidence

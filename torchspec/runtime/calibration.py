@@ -56,10 +56,6 @@ class Calibration:
         scale = torch.round(ratio.gather(0, at)[0].clamp(max=self.most) * SCALE_ONE).long()
         return self.alphas.gather(0, at)[0], scale
 
-    def scale(self) -> torch.Tensor:
-        """The scale of ``choice()`` (0-d int64, units of SCALE_ONE)."""
-        return self.choice()[1]
-
     def evidence(self, pool_logp: torch.Tensor, verified: int, row_valid: torch.Tensor) -> torch.Tensor:
         """What a round that verifies the ``verified`` best nodes of each live row expects, under each exponent
         -> [len(ALPHAS)] float64 drafted tokens (the fixed-point units of ``controller_policy``: p^a is monotone

@@ -328,11 +328,23 @@ def _decide_ahead(pool_logp: torch.Tensor, sizes: list[int], fronts: torch.Tenso
                 log.warning("the controller's decision kernel could not be built (%s: %s); deciding with tensor "
                             "operations instead (slower by ~0.15 ms a round).", type(e).__name__, e)
                 _UNBUILT.append(f"{type(e).__name__}: {e}")
+    plan, cal.pending = decide_every_depth_calibrated(pool_logp, sizes, fronts, edges, costs.depth_ms, costs.verify_ms,
+                                                      row_valid, cal, m)
+    return plan
+
+
+def decide_every_depth_calibrated(pool_logp: torch.Tensor, sizes: list[int], fronts: torch.Tensor,
+                                  edges: torch.Tensor, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
+                                  row_valid: torch.Tensor, cal: Calibration, verified: int
+                                  ) -> tuple[RoundPlan, torch.Tensor]:
+    """The tensor twin of ``decide_triton.decide_every_depth_fused`` (same arguments, same results): with the
+    calibration's exponent and scale, ``decide_every_depth`` on the round's pool and its predicted children
+    (frontier path plus best edge), and the calibration's evidence -> (RoundPlan, evidence [len(ALPHAS)])."""
     alpha, scale = cal.choice()
-    cal.pending = cal.evidence(pool_logp, m, row_valid)
-    children = (fronts.double() + edges.double()) * alpha  # each frontier node's predicted child
-    return decide_every_depth(pool_logp.double() * alpha, sizes, children, costs.depth_ms, costs.verify_ms,
-                              row_valid, scale, m)
+    children = (fronts.double() + edges.double()) * alpha
+    plan = decide_every_depth(pool_logp.double() * alpha, sizes, children, depth_ms, verify_ms, row_valid, scale,
+                              verified)
+    return plan, cal.evidence(pool_logp, verified, row_valid)
 
 
 def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
@@ -391,4 +403,4 @@ def next_depth_after_sampled(tree: DraftTree, depth: int, costs: RoundCosts, row
 
 
 __all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Controller", "RoundCosts",
-           "check_table_for", "decide_how", "draft_ahead_tree", "draft_controlled_tree", "next_depth_after_sampled", "sampled_go_flags"]
+           "check_table_for", "decide_every_depth_calibrated", "decide_how", "draft_ahead_tree", "draft_controlled_tree", "next_depth_after_sampled", "sampled_go_flags"]
