@@ -137,6 +137,10 @@ def bench(args) -> dict:
     dev, gen = torch.device(args.device), torch.Generator().manual_seed(args.seed)
     fused = dev.type == "cuda"
     rows = []
+    out = {"device": torch.cuda.get_device_name(dev) if fused else "cpu",
+           "timing": "cuda-graph replays, device events" if fused else "eager, host clock", "args": vars(args),
+           "rows": rows}
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for b in batches:
         for d in depths:
             sets = [random_round(gen, b, d, args.topk, dev) for _ in range(args.sets)]
@@ -151,9 +155,8 @@ def bench(args) -> dict:
             rows.append({"batch": b, "depths": d, "topk": args.topk, "tensor_us": tensor_us, "fused_us": fused_us,
                          "saved_us": None if fused_us is None else tensor_us - fused_us})
             print(format_row(rows[-1]), flush=True)
-    device = torch.cuda.get_device_name(dev) if fused else "cpu"
-    return {"device": device, "timing": "cuda-graph replays, device events" if fused else "eager, host clock",
-            "args": vars(args), "rows": rows}
+            atomic_write_text(args.out, json.dumps(out, indent=1))  # every row as it comes: a cut-off call keeps them
+    return out
 
 
 def format_row(r: dict) -> str:
@@ -166,8 +169,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     with user_errors("bench_controller_decide", args.debug):
         out = bench(args)
-        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out, json.dumps(out, indent=1))
         print(f"wrote {args.out} ({out['device']})")
         return out
 
