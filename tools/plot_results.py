@@ -288,18 +288,26 @@ def plot_split_sweep(sources: dict[str, Path], out: Path) -> None:
 
 
 def plot_controller_decide(src: Path, out: Path) -> None:
-    """The draft controller's decision after a round: tensor ops against the one kernel (us, graph replays)."""
+    """The draft controller's decision after a round: tensor ops against the one kernel (us, graph replays), and
+    the first, unrolled version of the kernel where the file keeps it."""
     data = json.loads(src.read_text())
     rows = [r for r in data["rows"] if r["fused_us"] is not None]
+    first = {(r["batch"], r["depths"]): r["fused_us"] for r in data.get("unrolled_first_version", {}).get("rows", [])}
     x = range(len(rows))
+    bars = [("tensor ops (~100 kernels)", [r["tensor_us"] for r in rows])]
+    if first:
+        bars.append(("one kernel, unrolled (first version)", [first.get((r["batch"], r["depths"]), 0) for r in rows]))
+    bars.append(("one kernel, row-chunked (compiles in seconds)" if first else "one Triton kernel",
+                 [r["fused_us"] for r in rows]))
+    width = 0.8 / len(bars)
     fig, ax = plt.subplots(figsize=(8, 3.6))
-    ax.bar([i - 0.2 for i in x], [r["tensor_us"] for r in rows], 0.4, label="tensor ops (~100 kernels)")
-    ax.bar([i + 0.2 for i in x], [r["fused_us"] for r in rows], 0.4, label="one Triton kernel")
+    for i, (label, values) in enumerate(bars):
+        ax.bar([j + (i - (len(bars) - 1) / 2) * width for j in x], values, width, label=label)
     ax.set_xticks(list(x), [f"b={r['batch']}\n{r['depths']} depth{'s' if r['depths'] > 1 else ''}" for r in rows])
     ax.set_ylabel("us a decision")
     ax.set_ylim(0, 1.35 * max(r["tensor_us"] for r in rows))  # room for the legend
     ax.set_title(f"The controller's decision after a round ({data['device']}, CUDA-graph replays)")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -3,7 +3,7 @@
 ``controller_policy.decide_every_depth`` evaluates the criterion after each of a round's D drafted depths and
 plans the next round in ~60 tensor operations (~110 counted on the tiny pair, ``tools/count_round_ops.py``):
 inside a CUDA graph each is a launch of a few microseconds, so at SmolLM2's size deciding cost about as much
-GPU time as a draft depth (on an H200, 155-195 us a decision against 5-30 us fused at batch 1-8,
+GPU time as a draft depth (on an H200, 190-236 us a decision against 7-35 us fused at batch 1-8,
 ``tools/bench_controller_decide.py``). ``decide_every_depth_fused`` does it in one program: the calibration's
 choice (``Calibration.choice``: the exponent whose decayed expectation is nearest the accepted tokens, and
 the remaining scale), every drafted node's probability in fixed point (its path log-probability times that
@@ -22,6 +22,15 @@ depths); under Triton's interpreter (CPU) the ``exp`` is NumPy's, which may diff
 
 Shapes are static per graph: the pool's per-depth sizes must grow by the same step (the dynamic tree adds
 ``k`` nodes a depth, the chain one), which the wrapper checks; anything else goes to the tensor version.
+
+**Compiled once a table, in seconds.** The batch and the drafted depths are runtime values: rows go through
+in chunks of ``ROW_CHUNK`` and depths one a loop step, so the code is one chunk's and one depth's whatever the
+round. The first version unrolled the depths and sorted every row at once: at batch 64 and 5 depths one
+variant took ~53 s to compile (5 MB of PTX; ``triton.compile`` for sm_90 on a 2-core CPU), an engine met
+dozens while it warmed its graphs, and a call on the H200 spent its 10 minutes compiling; this one compiles
+in ~2-3 s with at most 8 variants a table (row chunk 1, 2, 4 or 8; calibrated or not;
+``tools/bench_decide_compile.py``). The price is a serial row loop: at batch 64 a decision with k=8 takes
+75-217 us (1-5 depths) against 46-135 us unrolled; the chain that serves large batches sorts 8 columns, not 64.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from torchspec.runtime.calibration import ALPHAS, Calibration
 from torchspec.runtime.controller_policy import NS_PER_MS, PROB_ONE, SCALE_ONE, RoundPlan
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROW_CHUNK = 8  # rows a step of the kernel's row loop (its code is one chunk's: compiled in seconds at any batch)
 _PROB_ONE, _SCALE_ONE, _NS_PER_MS = tl.constexpr(PROB_ONE), tl.constexpr(SCALE_ONE), tl.constexpr(NS_PER_MS)  # in kernels
 
 
@@ -57,11 +67,17 @@ def _rint(y):
 
 
 @triton.jit
-def _best_width(units, live_units, scale, drafted_ns, verify_ns, size, NMAX, n):
-    """One pool's rates: units [BB, BG] int64 (dead rows and absent nodes 0) -> (best rate, its width, the
+def _ranked_units(logp, keep, EXACT: tl.constexpr):
+    """A chunk of rows' path log-probabilities [RB, BG] -> their probabilities in fixed point, each row sorted
+    descending, summed over the rows [BG] (exact int64); ``keep`` False: 0."""
+    units = tl.where(keep, tl.floor(_exp64(logp, EXACT) * _PROB_ONE).to(tl.int64), 0)
+    return tl.sum(tl.sort(units, dim=1, descending=True), axis=0)
+
+
+@triton.jit
+def _best_width(per_rank, live_units, scale, drafted_ns, verify_ns, size, NMAX, n):
+    """One pool's rates: the n-th best node of every row summed, per_rank [BG] int64 -> (best rate, its width, the
     unscaled expected drafted tokens of every width [BG]); widths up to the pool's ``size`` and ``NMAX``."""
-    ranked = tl.sort(units, dim=1, descending=True)  # [BB, BG]
-    per_rank = tl.sum(ranked, axis=0)  # [BG]: exact int64
     unscaled = tl.cumsum(per_rank, axis=0) - per_rank  # width n: the n best of every row
     tokens = live_units + unscaled * scale // _SCALE_ONE
     cost = tl.where(n == 0, verify_ns, drafted_ns + verify_ns)  # width 0: a plain round, which drafts nothing
@@ -76,19 +92,21 @@ def _best_width(units, live_units, scale, drafted_ns, verify_ns, size, NMAX, n):
 def _decide_kernel(
     pool_ptr, front_ptr, edge_ptr, depth_ms_ptr, verify_ms_ptr, valid_ptr,
     accepted_ptr, expected_ptr, limits_ptr, alphas_ptr, go_ptr, width_ptr, ints_ptr, pending_ptr,
-    B, P, F, T, NMAX, FIRST, STEP, VERIFIED,  # runtime: one compiled kernel serves every batch, width and table
-    D: tl.constexpr, A: tl.constexpr, CALIBRATED: tl.constexpr, EXACT: tl.constexpr,
-    BB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr,
+    B, P, F, T, NMAX, FIRST, STEP, VERIFIED, D,  # runtime: one compiled kernel serves every batch, depth and table
+    A: tl.constexpr, CALIBRATED: tl.constexpr, EXACT: tl.constexpr,
+    RB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr,
 ):
-    rows = tl.arange(0, BB)
+    # Rows go RB at a time (a runtime loop: the code is one chunk's, whatever the batch), depths one at a time.
+    chunk = tl.arange(0, RB)
     n = tl.arange(0, BG)  # a pool column, and a width
-    live = tl.load(valid_ptr + rows, mask=rows < B, other=0) != 0  # [BB]
-    live_units = tl.sum(live.to(tl.int64), axis=0) * _PROB_ONE  # every live row emits the target's token
-    r2 = rows[:, None]
     c2 = n[None, :]
-    raw = tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf")).to(tl.float64)
+    a_idx = tl.arange(0, BA)
+    live_units = tl.zeros([], tl.int64)
+    for r0 in range(0, B, RB):  # every live row emits the target's token
+        rows = r0 + chunk
+        live_units += tl.sum((tl.load(valid_ptr + rows, mask=rows < B, other=0) != 0).to(tl.int64), axis=0)
+    live_units = live_units * _PROB_ONE
     if CALIBRATED:  # Calibration.choice(): the exponent whose expectation is nearest, then the remaining scale
-        a_idx = tl.arange(0, BA)
         alphas = tl.load(alphas_ptr + a_idx, mask=a_idx < A, other=1.0)
         prior = tl.load(limits_ptr)
         ratio = (tl.load(accepted_ptr) + prior) / (tl.load(expected_ptr + a_idx, mask=a_idx < A, other=0.0) + prior)
@@ -96,11 +114,17 @@ def _decide_kernel(
         at = tl.min(tl.where(off == tl.min(off, axis=0), a_idx, BA), axis=0)  # the first minimum
         alpha = tl.sum(tl.where(a_idx == at, alphas, 0.0), axis=0)
         scale = _rint(tl.minimum(tl.sum(tl.where(a_idx == at, ratio, 0.0), axis=0), tl.load(limits_ptr + 1)) * _SCALE_ONE)
-        ranked_raw = tl.sort(raw, dim=1, descending=True)  # Calibration.evidence(): the verified best of each row
-        for a in tl.static_range(A):  # ... under every exponent
-            units = tl.floor(_exp64(ranked_raw * tl.load(alphas_ptr + a), EXACT) * _PROB_ONE).to(tl.int64)
-            units = tl.where(live[:, None] & (c2 < VERIFIED), units, 0)
-            tl.store(pending_ptr + a, tl.sum(tl.sum(units, axis=1), axis=0).to(tl.float64) / _PROB_ONE)
+        evidence = tl.zeros([BA], tl.int64)  # Calibration.evidence(): the verified best of each row ...
+        for r0 in range(0, B, RB):
+            r2 = (r0 + chunk)[:, None]
+            live = tl.load(valid_ptr + r2, mask=r2 < B, other=0) != 0
+            ranked_raw = tl.sort(tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf"))
+                                 .to(tl.float64), dim=1, descending=True)
+            for a in tl.static_range(A):  # ... under every exponent
+                units = tl.floor(_exp64(ranked_raw * tl.load(alphas_ptr + a), EXACT) * _PROB_ONE).to(tl.int64)
+                part = tl.sum(tl.sum(tl.where(live & (c2 < VERIFIED), units, 0), axis=1), axis=0)
+                evidence += tl.where(a_idx == a, part, 0)
+        tl.store(pending_ptr + a_idx, evidence.to(tl.float64) / _PROB_ONE, mask=a_idx < A)
     else:
         alpha = 1.0
         scale = _SCALE_ONE
@@ -108,24 +132,30 @@ def _decide_kernel(
     depth_ns = _rint(tl.load(depth_ms_ptr + t_idx, mask=t_idx < T, other=0.0).to(tl.float64) * _NS_PER_MS)
     depth_ns = tl.where(t_idx < T, depth_ns, 0)
     verify_ns = _rint(tl.load(verify_ms_ptr + n, mask=n <= NMAX, other=1.0).to(tl.float64) * _NS_PER_MS)
-    logp = raw * alpha  # every path log-probability as the calibration reads it
-    pool_units = tl.where(live[:, None] & (c2 < P), tl.floor(_exp64(logp, EXACT) * _PROB_ONE).to(tl.int64), 0)
-    best_rate = -2.0
-    best_depth = 0
-    best_width = 0
-    for t in tl.static_range(D):
+    best_rate = tl.full([], -2.0, tl.float64)
+    best_depth = tl.zeros([], tl.int32)
+    best_width = tl.zeros([], tl.int32)
+    deeper = tl.full([], -2.0, tl.float64)
+    deeper_width = tl.zeros([], tl.int32)
+    unscaled = tl.zeros([BG], tl.int64)
+    for t in range(D):
         size = FIRST + STEP * t
+        current = tl.zeros([BG], tl.int64)  # each rank's node summed over the rows: the pool of depths 0..t ...
+        grown = tl.zeros([BG], tl.int64)  # ... and with each frontier node's predicted child (path + best edge)
+        for r0 in range(0, B, RB):
+            r2 = (r0 + chunk)[:, None]
+            live = tl.load(valid_ptr + r2, mask=r2 < B, other=0) != 0
+            logp = tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf")).to(tl.float64)
+            logp = logp * alpha  # every path log-probability as the calibration reads it
+            child_at = c2 - P
+            at_child = (r2 < B) & (child_at >= 0) & (child_at < F)
+            front = tl.load(front_ptr + t * B * F + r2 * F + child_at, mask=at_child, other=float("-inf"))
+            edge = tl.load(edge_ptr + t * B * F + r2 * F + child_at, mask=at_child, other=0.0)
+            child = (front.to(tl.float64) + edge.to(tl.float64)) * alpha
+            current += _ranked_units(logp, live & (c2 < size), EXACT)
+            grown += _ranked_units(tl.where(c2 < P, logp, child), live & ((c2 < size) | ((child_at >= 0) & (child_at < F))), EXACT)
         drafted_ns = tl.sum(tl.where(t_idx <= t, depth_ns, 0), axis=0)  # depths 0..t
-        current = tl.where(c2 < size, pool_units, 0)
         rate, width, unscaled = _best_width(current, live_units, scale, drafted_ns, verify_ns, size, NMAX, n)
-        child_at = c2 - P
-        at_child = (r2 < B) & (child_at >= 0) & (child_at < F)
-        front = tl.load(front_ptr + t * B * F + r2 * F + child_at, mask=at_child, other=float("-inf")).to(tl.float64)
-        edge = tl.load(edge_ptr + t * B * F + r2 * F + child_at, mask=at_child, other=0.0).to(tl.float64)
-        child = (front + edge) * alpha  # each frontier node's predicted child: its path plus its best edge
-        child_units = tl.where(live[:, None] & (child_at >= 0) & (child_at < F),
-                               tl.floor(_exp64(child, EXACT) * _PROB_ONE).to(tl.int64), 0)
-        grown = tl.where(c2 < P, current, child_units)
         deeper_ns = tl.sum(tl.where(t_idx <= t + 1, depth_ns, 0), axis=0)  # depths 0..t+1 (0 beyond the table)
         deeper, deeper_width, _ = _best_width(grown, live_units, scale, deeper_ns, verify_ns, size + F, NMAX, n)
         tl.store(go_ptr + t, (deeper > rate) & (t + 1 < T))  # the table's last depth never goes deeper
@@ -134,13 +164,12 @@ def _decide_kernel(
         best_depth = tl.where(better, t + 1, best_depth)
         best_width = tl.where(better, width, best_width)
         best_rate = tl.where(better, rate, best_rate)
-        if t == D - 1:
-            more = (deeper > best_rate) & (D < T)  # one more depth (within the table), its children predicted
-            best_depth = tl.where(more, D + 1, best_depth)
-            best_width = tl.where(more, deeper_width, best_width)
-            tl.store(ints_ptr + 2, tl.sum(tl.where(n == VERIFIED, unscaled, 0), axis=0))  # width 0: nothing
+    more = (deeper > best_rate) & (D < T)  # one more depth than drafted (within the table), its children predicted
+    best_depth = tl.where(more, D + 1, best_depth)
+    best_width = tl.where(more, deeper_width, best_width)
     tl.store(ints_ptr, best_depth.to(tl.int64))
     tl.store(ints_ptr + 1, best_width.to(tl.int64))
+    tl.store(ints_ptr + 2, tl.sum(tl.where(n == VERIFIED, unscaled, 0), axis=0))  # the last depth's; width 0: nothing
 
 
 def fused_sizes(sizes: list[int]) -> tuple[int, int] | None:
@@ -149,6 +178,20 @@ def fused_sizes(sizes: list[int]) -> tuple[int, int] | None:
     if step < 1 or any(s != sizes[0] + step * t for t, s in enumerate(sizes)):
         return None
     return sizes[0], step
+
+
+def kernel_variant(batch: int, first_step: tuple[int, int], frontier: int, table_depths: int,
+                   calibrated: bool) -> dict:
+    """The kernel's compile-time arguments for a round (what a compiled variant is keyed by): the row chunk (the
+    batch's power of two up to ``ROW_CHUNK``) and blocks wide enough for the table's deepest pool and its
+    children (widths past a pool's size are never chosen, so the table's verify widths need none), the table's
+    depths (at least 8) and the exponents -- one variant per row chunk and calibration a table, whatever the
+    round's depth or batch."""
+    first, step = first_step
+    return dict(A=len(ALPHAS), CALIBRATED=calibrated, EXACT=not INTERPRET,
+                RB=min(triton.next_power_of_2(batch), ROW_CHUNK),
+                BG=triton.next_power_of_2(first + step * (table_depths - 1) + frontier + 1),
+                BT=max(8, triton.next_power_of_2(table_depths)), BA=triton.next_power_of_2(len(ALPHAS)), num_warps=4)
 
 
 def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_logp: torch.Tensor,
@@ -181,11 +224,10 @@ def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_lo
         pool_logp.contiguous(), front_logp.contiguous(), edge_logp.contiguous(), depth_ms, verify_ms, row_valid,
         *((cal.accepted, cal.expected, cal.limits, cal.alphas) if cal is not None else (pending,) * 4),
         go, width, ints, pending,
-        b, p, f, t, n_max, first_step[0], first_step[1], verified, D=d, A=a, CALIBRATED=cal is not None,
-        EXACT=not INTERPRET, BB=triton.next_power_of_2(b), BG=triton.next_power_of_2(max(p + f, n_max) + 1),
-        BT=triton.next_power_of_2(t), BA=triton.next_power_of_2(a), num_warps=4 if b * (p + f) <= 4096 else 8,
+        b, p, f, t, n_max, first_step[0], first_step[1], verified, d,
+        **kernel_variant(b, first_step, f, t, cal is not None),
     )
     return RoundPlan(go, width, ints[0], ints[1], ints[2]), pending if cal is not None else None
 
 
-__all__ = ["decide_every_depth_fused", "fused_sizes"]
+__all__ = ["decide_every_depth_fused", "fused_sizes", "kernel_variant"]
