@@ -60,17 +60,24 @@ def check_args(args) -> tuple[list[int], list[int]]:
         raise ValueError(f"--batches {args.batches} / --depths {args.depths}: batches >= 1, depths 1..{TABLE_DEPTHS - 1}.")
     for flag in ("topk", "verified", "sets", "replays", "repeats"):
         check_at_least(f"--{flag}", getattr(args, flag), 1)
-    if args.verified > args.topk * min(depths):
+    if args.verified > pool_sizes(args.topk, min(depths))[-1]:
         raise ValueError(f"--verified {args.verified}: a round of depth {min(depths)} drafts only "
-                         f"{args.topk * min(depths)} nodes; verify fewer.")
+                         f"{pool_sizes(args.topk, min(depths))[-1]} nodes; verify fewer.")
     return batches, depths
+
+
+def pool_sizes(topk: int, depth: int) -> list[int]:
+    """The nodes a dynamic tree's pool holds after each depth (``drafting.grow_dynamic_tree``): k at depth 1, then
+    the k * k children of its k-node frontier a depth (a chain: one a depth)."""
+    return [topk + topk * topk * d for d in range(depth)]
 
 
 def random_round(gen: torch.Generator, batch: int, depth: int, topk: int, dev: torch.device) -> dict:
     """A round's decision inputs: path log-probs falling with depth, a few dead rows, a SmolLM2-like table."""
     def logp(*shape: int) -> torch.Tensor:
         return (torch.rand(*shape, generator=gen) * -4.0).to(dev)
-    pool = torch.cat([logp(batch, topk) * (d + 1) for d in range(depth)], 1)
+    sizes = pool_sizes(topk, depth)  # the dynamic tree's pool: k nodes at depth 1, k * k children a depth after
+    pool = torch.cat([logp(batch, sizes[0])] + [logp(batch, sizes[1] - sizes[0]) * (d + 1) for d in range(1, depth)], 1)
     fronts = torch.stack([logp(batch, topk) * (d + 1) for d in range(depth)])
     edges = torch.stack([logp(batch, topk) for _ in range(depth)])
     valid = (torch.rand(batch, generator=gen) > 0.1).to(dev)
@@ -81,7 +88,7 @@ def random_round(gen: torch.Generator, batch: int, depth: int, topk: int, dev: t
     cal = Calibration(dev)  # random evidence (expectations rising as the exponent falls): any exponent and scale
     cal.accepted.fill_(float(torch.rand(1, generator=gen)) * 6)
     cal.expected.copy_(torch.sort(torch.rand(len(cal.expected), generator=gen, dtype=torch.float64) * 6).values)
-    return {"pool": pool, "sizes": [topk * (d + 1) for d in range(depth)], "fronts": fronts, "edges": edges,
+    return {"pool": pool, "sizes": sizes, "fronts": fronts, "edges": edges,
             "valid": valid,
             "depth_ms": depth_ms, "verify_ms": verify_ms, "cal": cal}
 

@@ -6,7 +6,7 @@ variant that takes a minute to compile stalls the first rounds of every concurre
 variant of a table ahead of time for a GPU architecture (``triton.compile`` with an explicit target: Triton's
 front end and ptxas run on the CPU) and prints a table (seconds, PTX and cubin bytes) and writes JSON::
 
-    python tools/bench_decide_compile.py --batches 1,8,64 --topk 8 --table-depths 6 \\
+    python tools/bench_decide_compile.py --batches 1,2,4,8,64 --topk 8,1 --table-depths 6 \\
         --out docs/bench/decide_compile_cpu.json
 
 Needs ``triton`` importable (the CUDA torch wheel carries it; on a CPU machine, Triton's own wheel). Times
@@ -36,12 +36,18 @@ POINTERS = {"valid_ptr": "*i1", "go_ptr": "*i1", "width_ptr": "*i64", "ints_ptr"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="1,8,64", help="padded batch sizes (comma-separated)")
-    p.add_argument("--topk", type=int, default=8, help="the dynamic tree's width (1: a chain)")
+    p.add_argument("--topk", default="8,1", help="dynamic trees' widths (1: the chain), comma-separated")
     p.add_argument("--table-depths", type=int, default=6, help="the cost table's depths")
     p.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: Hopper)")
     p.add_argument("--out", default="docs/bench/decide_compile_cpu.json")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return p
+
+
+def pool_steps(topk: int) -> tuple[int, int]:
+    """(first, step) of a dynamic tree's pool (``drafting.grow_dynamic_tree``): k nodes at depth 1, then all k * k
+    children of the k-node frontier a depth; a chain (k = 1) one a depth."""
+    return topk, topk * topk
 
 
 def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, arch: int) -> dict:
@@ -52,7 +58,7 @@ def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, 
 
     from torchspec.runtime.decide_triton import _decide_kernel, kernel_variant
 
-    meta = kernel_variant(batch, (topk, topk), topk, table_depths, calibrated)
+    meta = kernel_variant(batch, pool_steps(topk), topk, table_depths, calibrated)
     meta["EXACT"] = True  # what a GPU compiles (the interpreter's NumPy exp needs no compile)
     num_warps = meta.pop("num_warps")
     names = _decide_kernel.arg_names
@@ -67,29 +73,30 @@ def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, 
 
 
 def bench(args) -> dict:
-    batches = csv_values("--batches", args.batches, int)
-    if min(batches) < 1 or args.topk < 1 or args.table_depths < 1:
+    batches, widths = csv_values("--batches", args.batches, int), csv_values("--topk", args.topk, int)
+    if min(batches) < 1 or min(widths) < 1 or args.table_depths < 1:
         raise ValueError(f"--batches {args.batches} / --topk {args.topk} / --table-depths {args.table_depths}: "
                          "each at least 1.")
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="decide_compile_")  # every variant compiled afresh
     import triton
 
     rows, seen = [], set()
-    for calibrated in (False, True):
-        for b in batches:
-            row = compile_variant(b, args.topk, args.table_depths, calibrated, args.arch)
-            key = (row["RB"], row["BG"], row["BT"], calibrated)
-            row["new_variant"] = key not in seen  # a batch of the same row chunk reuses the compiled kernel
-            seen.add(key)
-            rows.append(row)
-            print(f"batch {b:>3}  calibrated {calibrated!s:<5}  RB {row['RB']:>2} BG {row['BG']:>3}  "
-                  f"{row['seconds']:6.2f} s  ptx {row['ptx_bytes'] / 1e3:8.0f} KB", flush=True)
+    for topk in widths:
+        for calibrated in (False, True):
+            for b in batches:
+                row = {"topk": topk, **compile_variant(b, topk, args.table_depths, calibrated, args.arch)}
+                key = (topk, row["RB"], row["BG"], row["BT"], calibrated)
+                row["new_variant"] = key not in seen  # a batch of the same row chunk reuses the compiled kernel
+                seen.add(key)
+                rows.append(row)
+                print(f"k={topk}  batch {b:>3}  calibrated {calibrated!s:<5}  RB {row['RB']:>2} BG {row['BG']:>3}  "
+                      f"{row['seconds']:6.2f} s  ptx {row['ptx_bytes'] / 1e3:8.0f} KB", flush=True)
     out = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "triton": triton.__version__,
            "arch": f"sm_{args.arch}", "args": {k: v for k, v in vars(args).items() if k not in ("out", "debug")},
            "variants": len(seen), "rows": rows}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps(out, indent=1))
-    print(f"{len(seen)} variants for batches {args.batches}, k={args.topk}, {args.table_depths} table depths; "
+    print(f"{len(seen)} variants for batches {args.batches}, k {args.topk}, {args.table_depths} table depths; "
           f"wrote {args.out}")
     return out
 

@@ -11,8 +11,15 @@ Acceptance comes from this machine's forward (fp32 on the CPU, which may differ 
 model leaves out what the table does not hold (the controller's deciding kernels are in ``round_ms``, so fixed
 shapes are priced a little high). A planning aid, not a measurement.
 
+The controller's row also holds ``calibration_by_depth``: at each draft depth, the verified nodes' expected
+tokens as the calibration read them, as the drafter's own path probabilities gave them, and the tokens
+accepted there (``DepthEvidence``) -- where one exponent and scale for all depths misjudge a depth.
+``--shape`` replays the controlled pair of ``tools/bench_runtime_efficiency.py`` instead of a real target.
+
     python tools/replay_controller.py --target smollm2 --drafter <export> --costs costs_h200.json \\
         --overhead 1=0.52,8=0.43,64=1.04 --concurrency 1 --out replay.json
+    python tools/replay_controller.py --shape smollm2-135m --noise 0.0 --trees 5x8x32 \\
+        --costs docs/bench/controller_pair_smollm2_h200_s17.costs.json     # the controlled pair, random prompts
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import json
 import pathlib
 import sys
 
+import torch
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
@@ -32,6 +41,7 @@ from bench_controller import bench_prompts, parse_tree  # noqa: E402
 
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
+from torchspec.runtime.controller_policy import SCALE_ONE  # noqa: E402
 from torchspec.runtime.cost_table import CostTable, cost_key  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig  # noqa: E402
 
@@ -40,8 +50,12 @@ PLAIN = (0, 0)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="dir | .gguf | alias")
-    p.add_argument("--drafter", required=True, help="an exported drafter")
+    p.add_argument("--target", help="dir | .gguf | alias (else the controlled pair of --shape)")
+    p.add_argument("--drafter", help="an exported drafter (with --target)")
+    p.add_argument("--shape", help="instead of --target: the controlled pair of this shape "
+                                   "(tools/bench_runtime_efficiency.py), random prompts")
+    p.add_argument("--noise", type=float, default=0.0, help="the controlled drafter's eh_proj noise (with --shape)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--costs", required=True, help="a cost table (any setup's: its key is not checked)")
     p.add_argument("--overhead", help="the host's ms a round per batch, b=ms,... (default: the table's)")
     p.add_argument("--prompt-set", default="mtbench")
@@ -113,14 +127,10 @@ def replay(args) -> dict:
     trees = [parse_tree(t) for t in args.trees.split(",")]
     if not pathlib.Path(args.costs).is_file():
         raise ValueError(f"--costs {args.costs} does not exist; give a torchspec-profile table.")
-    from torchspec.runtime.loading import load_engine
-
-    engine = load_engine(args.target, args.drafter, device=args.device, dtype=args.dtype,
-                         max_batch=args.concurrency, max_context=args.prompt_len + args.max_new_tokens + 64,
-                         cache_dir=str(pathlib.Path(args.cache_dir).expanduser()))
+    engine = build(args)
     table = load_table(args, engine)
     price = Pricer(table, args.concurrency, args.ctx)
-    prompts = bench_prompts(args, engine, args.num_prompts, None)  # a prompt set: no random draws
+    prompts = bench_prompts(args, engine, args.num_prompts, torch.Generator().manual_seed(args.seed))
 
     def run(**kw):
         out = engine.generate(prompts, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency, **kw)
@@ -135,7 +145,8 @@ def replay(args) -> dict:
         k, n = (1, spec.depth) if spec.shape == "chain" else (spec.topk, spec.num_nodes)
         a = sum(acc) / len(acc)
         rows.append({"mode": label(spec), "acceptance": a, "speedup": a * price.plain() / price.round(spec.depth, k, n)})
-    tokens, acc = run(spec=trees[-1], controller=table)
+    with DepthEvidence(trees[-1].topk) as by_depth:
+        tokens, acc = run(spec=trees[-1], controller=table)
     if tokens != plain:
         raise AssertionError("the controller's greedy output differs from plain decoding")
     trace = engine.controller.trace
@@ -143,16 +154,95 @@ def replay(args) -> dict:
     a = sum(acc) / len(acc)  # committed tokens a row-round; the trace has one entry a batched round
     rows.append({"mode": "controller", "acceptance": a,
                  "speedup": (sum(acc) / cost) / (args.concurrency / price.plain()) if len(trace) else 0.0,
-                 "plans": [[d, w, n] for (d, w), n in collections.Counter(trace).most_common()]})
+                 "plans": [[d, w, n] for (d, w), n in collections.Counter(trace).most_common()],
+                 "calibration_by_depth": by_depth.rows()})
     out = {"args": vars(args), "device": str(engine.device), "plain_round_ms": price.plain(),
            "host_ms": price.host, "rows": rows}
     for r in rows:
         print(f"{r['mode']:<16} acceptance {r['acceptance']:.2f}  modeled x{r['speedup']:.2f}"
               + (f"  plans {r['plans'][:6]}" if "plans" in r else ""))
+    print("the controller's verified nodes by depth: expected tokens as the calibration read them / the drafter's "
+          "own path probabilities / accepted")
+    for r in rows[-1]["calibration_by_depth"]:
+        print(f"  depth {r['depth']}: {r['expected']:8.2f} / {r['expected_raw']:8.2f} / {r['accepted']:6d}")
     if args.out:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out, json.dumps(out, indent=1))
     return out
+
+
+class DepthEvidence:
+    """While open, records by draft depth what each controlled round's verified nodes were expected to yield
+    (their path probabilities as the calibration read them, ``Calibration.choice``, and as the drafter gave
+    them) and what was accepted (a row that accepted ``a`` drafted tokens accepted one at each depth 1..a):
+    where the calibration's one exponent and scale misjudge a depth. The dynamic tree's pool holds ``topk``
+    nodes at depth 1 and ``topk``^2 at each later one, in depth order. Host reads every round: a diagnosis, not a
+    way to serve."""
+
+    def __init__(self, topk: int):
+        self.topk = topk
+        self.expected, self.raw, self.accepted = (collections.Counter() for _ in range(3))
+
+    def __enter__(self):
+        from torchspec.runtime.calibration import Calibration
+
+        self._originals = Calibration.evidence, Calibration.observe
+        evidence, observe = self._originals
+        me = self
+
+        def recording_evidence(cal, pool_logp, verified, row_valid):
+            if verified:
+                alpha, scale = cal.choice()
+                top, at = pool_logp.double().topk(verified, dim=1)
+                k = me.topk  # the pool's layout (tree_select.assemble_tree): k nodes at depth 1, then k * k a depth
+                depth = torch.where(at < k, 1, 2 + (at - k) // (k * k)).tolist()
+                live = row_valid.tolist()
+                read = (torch.exp(top * alpha) * (float(scale) / SCALE_ONE)).tolist()
+                for r, ok in enumerate(live):
+                    for d, x, y in zip(depth[r], read[r], torch.exp(top[r]).tolist()):
+                        me.expected[d] += x * ok
+                        me.raw[d] += y * ok
+            return evidence(cal, pool_logp, verified, row_valid)
+
+        def recording_observe(cal, accepted, row_valid):
+            for a, ok in zip(accepted.tolist(), row_valid.tolist()):
+                for d in range(1, int(a) + 1) if ok else ():
+                    me.accepted[d] += 1
+            return observe(cal, accepted, row_valid)
+
+        Calibration.evidence, Calibration.observe = recording_evidence, recording_observe
+        return self
+
+    def __exit__(self, *exc):
+        from torchspec.runtime.calibration import Calibration
+
+        Calibration.evidence, Calibration.observe = self._originals
+
+    def rows(self) -> list[dict]:
+        depths = sorted(set(self.expected) | set(self.accepted))
+        return [{"depth": d, "expected": self.expected[d], "expected_raw": self.raw[d], "accepted": self.accepted[d]}
+                for d in depths]
+
+
+def build(args):
+    """The engine: a real target and drafter, or the controlled pair (``--shape``, ``--noise``; fp32)."""
+    if (args.target is None) == (args.shape is None):
+        raise ValueError("give --target (with --drafter) or --shape (the controlled pair), not both or neither.")
+    if args.target is None:
+        from bench_runtime_efficiency import build_engine, set_noise
+
+        args.prompt_set = None  # the controlled pair has no tokenizer: random prompts
+        engine = build_engine(args.shape, 0.3, args.concurrency, args.prompt_len + args.max_new_tokens + 64,
+                              args.seed, device=args.device, cuda_graphs=False)
+        set_noise(engine, args.noise, args.seed)
+        return engine
+    if not args.drafter:
+        raise ValueError("--target needs --drafter <export dir>.")
+    from torchspec.runtime.loading import load_engine
+
+    return load_engine(args.target, args.drafter, device=args.device, dtype=args.dtype, max_batch=args.concurrency,
+                       max_context=args.prompt_len + args.max_new_tokens + 64,
+                       cache_dir=str(pathlib.Path(args.cache_dir).expanduser()))
 
 
 def label(spec: SpecConfig) -> str:

@@ -30,7 +30,8 @@ def test_a_round_decides_the_same_on_each_set(tool):
 
     r = tool.random_round(torch.Generator().manual_seed(3), 4, 3, 4, torch.device("cpu"))
     go, widths, depth, width, drafted, pending = tool.outputs(tool.decide_tensor(r, 3), r["cal"])
-    assert len(go) == len(widths) == 3 and 1 <= depth <= 4 and 0 <= width <= 16 and drafted >= 0
+    assert len(go) == len(widths) == 3 and 1 <= depth <= 4 and 0 <= width <= 24 and drafted >= 0  # the table: 24 nodes
+    assert r["sizes"] == [4, 20, 36] and r["pool"].shape == (4, 36)  # a dynamic tree's pool: 4, then 16 a depth
     at = r["cal"].alphas.tolist().index(float(r["cal"].choice()[0]))  # the exponent the decision read
     assert len(pending) == 4 and pending[at] == drafted / (1 << 20)  # its evidence
 

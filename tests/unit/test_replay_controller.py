@@ -56,11 +56,26 @@ def test_rows_and_outputs(tool, setup, tmp_path):
         assert r["acceptance"] >= 1 and r["speedup"] > 0
     assert max(r["acceptance"] for r in saved["rows"][:-1]) > 1.2  # the pair agrees: drafts are accepted
     assert sum(n for _, _, n in saved["rows"][-1]["plans"]) > 0
+    by_depth = saved["rows"][-1]["calibration_by_depth"]  # depths 1..3 of the 3x2x6 bound
+    assert [r["depth"] for r in by_depth] == list(range(1, len(by_depth) + 1)) and len(by_depth) <= 3
+    accepted = [r["accepted"] for r in by_depth]
+    assert accepted[0] > 0 and accepted == sorted(accepted, reverse=True)  # depth d is accepted after d - 1
+    assert all(r["expected"] >= 0 and 0 <= r["expected_raw"] for r in by_depth) and by_depth[0]["expected_raw"] > 0
+
+
+def test_the_controlled_pair_replays_without_a_target(tool, setup, tmp_path):
+    out = tmp_path / "pair.json"
+    result = tool.main(["--shape", "tiny", "--noise", "0.0", "--costs", str(setup[3]), "--num-prompts", "2",
+                        "--prompt-len", "16", "--max-new-tokens", "8", "--chains", "1", "--trees", "2x2x4",
+                        "--out", str(out)])
+    assert [r["mode"] for r in result["rows"]] == ["chain1", "tree2x2x4", "controller"]
+    assert result["rows"][1]["acceptance"] > 1.2  # noise 0: the controlled drafter agrees with its target
 
 
 @pytest.mark.parametrize("change, text", [(["--overhead", "1=0.3"], "lacks the table's batches"),
                                           (["--overhead", "1:0.3"], "BATCH=MS"),
-                                          (["--trees", "3x2"], "--trees entry")])
+                                          (["--trees", "3x2"], "--trees entry"),
+                                          (["--shape", "tiny"], "not both or neither")])
 def test_bad_input_is_one_line(tool, setup, capsys, change, text):
     root, target, drafter, costs = setup
     with pytest.raises(SystemExit) as err:

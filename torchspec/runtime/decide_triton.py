@@ -20,17 +20,19 @@ in any order. ``tests/gpu/test_decide_triton.py`` checks it against the tensor v
 plain-Python reference on random rounds and on the edge cases (dead rows, -inf nodes, tied rates, capped
 depths); under Triton's interpreter (CPU) the ``exp`` is NumPy's, which may differ by one float64 ulp.
 
-Shapes are static per graph: the pool's per-depth sizes must grow by the same step (the dynamic tree adds
-``k`` nodes a depth, the chain one), which the wrapper checks; anything else goes to the tensor version.
+Shapes are static per graph: the pool's per-depth sizes must grow by the same step (the dynamic tree holds
+``k`` nodes at depth 1 and adds all ``k * k`` children of its frontier a depth, the chain one node), which the
+wrapper checks; anything else goes to the tensor version.
 
 **Compiled once a table, in seconds.** The batch and the drafted depths are runtime values: rows go through
-in chunks of ``ROW_CHUNK`` and depths one a loop step, so the code is one chunk's and one depth's whatever the
-round. The first version unrolled the depths and sorted every row at once: at batch 64 and 5 depths one
-variant took ~53 s to compile (5 MB of PTX; ``triton.compile`` for sm_90 on a 2-core CPU), an engine met
-dozens while it warmed its graphs, and a call on the H200 spent its 10 minutes compiling; this one compiles
-in ~2-3 s with at most 8 variants a table (row chunk 1, 2, 4 or 8; calibrated or not;
-``tools/bench_decide_compile.py``). The price is a serial row loop: at batch 64 a decision with k=8 takes
-75-217 us (1-5 depths) against 46-135 us unrolled; the chain that serves large batches sorts 8 columns, not 64.
+a chunk at a time (at most ``ROW_CHUNK`` rows and ``CHUNK_NODES`` nodes) and depths one a loop step, so the code
+is one chunk's and one depth's whatever the round. The first version unrolled the depths and sorted every row
+at once: at batch 64 and 5 depths one variant took ~53 s to compile even at 64 columns (5 MB of PTX;
+``triton.compile`` for sm_90 on a 2-core CPU; a real k=8 pool needs 512), an engine met dozens while it warmed
+its graphs, and a call on the H200 spent its 10 minutes compiling. Now a k=8 tree's table compiles 4 variants
+of 2.4-5.4 s, the chain's 8 of under a second (``tools/bench_decide_compile.py``). The price is a serial row
+loop: at batch 64 a decision takes 75-217 us (1-5 depths, H200) against 46-135 us unrolled, on the bench's
+rounds of k nodes a depth (the real pool is k + k*k a depth: not yet timed).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from torchspec.runtime.controller_policy import NS_PER_MS, PROB_ONE, SCALE_ONE, 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROW_CHUNK = 8  # rows a step of the kernel's row loop (its code is one chunk's: compiled in seconds at any batch)
+CHUNK_NODES = 1024  # at most this many pool nodes a chunk: a k=8 tree's 6-depth pool (512 columns) goes 2 rows a step
 _PROB_ONE, _SCALE_ONE, _NS_PER_MS = tl.constexpr(PROB_ONE), tl.constexpr(SCALE_ONE), tl.constexpr(NS_PER_MS)  # in kernels
 
 
@@ -183,14 +186,14 @@ def fused_sizes(sizes: list[int]) -> tuple[int, int] | None:
 def kernel_variant(batch: int, first_step: tuple[int, int], frontier: int, table_depths: int,
                    calibrated: bool) -> dict:
     """The kernel's compile-time arguments for a round (what a compiled variant is keyed by): the row chunk (the
-    batch's power of two up to ``ROW_CHUNK``) and blocks wide enough for the table's deepest pool and its
-    children (widths past a pool's size are never chosen, so the table's verify widths need none), the table's
-    depths (at least 8) and the exponents -- one variant per row chunk and calibration a table, whatever the
-    round's depth or batch."""
+    batch's power of two, at most ``ROW_CHUNK`` rows and ``CHUNK_NODES`` nodes) and blocks wide enough for the
+    table's deepest pool and its children (widths past a pool's size are never chosen, so the table's verify
+    widths need none), the table's depths (at least 8) and the exponents -- one variant per row chunk and
+    calibration a table, whatever the round's depth or batch."""
     first, step = first_step
-    return dict(A=len(ALPHAS), CALIBRATED=calibrated, EXACT=not INTERPRET,
-                RB=min(triton.next_power_of_2(batch), ROW_CHUNK),
-                BG=triton.next_power_of_2(first + step * (table_depths - 1) + frontier + 1),
+    columns = triton.next_power_of_2(first + step * (table_depths - 1) + frontier + 1)
+    rows = min(triton.next_power_of_2(batch), ROW_CHUNK, max(1, CHUNK_NODES // columns))
+    return dict(A=len(ALPHAS), CALIBRATED=calibrated, EXACT=not INTERPRET, RB=rows, BG=columns,
                 BT=max(8, triton.next_power_of_2(table_depths)), BA=triton.next_power_of_2(len(ALPHAS)), num_warps=4)
 
 
