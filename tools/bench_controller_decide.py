@@ -88,6 +88,9 @@ def random_round(gen: torch.Generator, batch: int, depth: int, topk: int, dev: t
     cal = Calibration(dev)  # random evidence (expectations rising as the exponent falls): any exponent and scale
     cal.accepted.fill_(float(torch.rand(1, generator=gen)) * 6)
     cal.expected.copy_(torch.sort(torch.rand(len(cal.expected), generator=gen, dtype=torch.float64) * 6).values)
+    cal.accepted_by_rank.copy_(torch.rand(cal.accepted_by_rank.shape, generator=gen, dtype=torch.float64) * 2)
+    cal.expected_by_rank.copy_(torch.sort(torch.rand(cal.expected_by_rank.shape, generator=gen, dtype=torch.float64) * 2,
+                                          dim=0).values)
     return {"pool": pool, "sizes": sizes, "fronts": fronts, "edges": edges,
             "valid": valid,
             "depth_ms": depth_ms, "verify_ms": verify_ms, "cal": cal}

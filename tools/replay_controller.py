@@ -41,7 +41,8 @@ from bench_controller import bench_prompts, parse_tree  # noqa: E402
 
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
-from torchspec.runtime.controller_policy import SCALE_ONE  # noqa: E402
+from torchspec.runtime.calibration import ALPHAS  # noqa: E402
+from torchspec.runtime.controller_policy import SCALE_ONE, rank_buckets  # noqa: E402
 from torchspec.runtime.cost_table import CostTable, cost_key  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig  # noqa: E402
 
@@ -155,7 +156,7 @@ def replay(args) -> dict:
     rows.append({"mode": "controller", "acceptance": a,
                  "speedup": (sum(acc) / cost) / (args.concurrency / price.plain()) if len(trace) else 0.0,
                  "plans": [[d, w, n] for (d, w), n in collections.Counter(trace).most_common()],
-                 "calibration_by_depth": by_depth.rows()})
+                 "calibration_by_depth": by_depth.rows(), "calibration_at_end": calibration_state(engine)})
     out = {"args": vars(args), "device": str(engine.device), "plain_round_ms": price.plain(),
            "host_ms": price.host, "rows": rows}
     for r in rows:
@@ -165,6 +166,9 @@ def replay(args) -> dict:
           "own path probabilities / accepted")
     for r in rows[-1]["calibration_by_depth"]:
         print(f"  depth {r['depth']}: {r['expected']:8.2f} / {r['expected_raw']:8.2f} / {r['accepted']:6d}")
+    end = rows[-1]["calibration_at_end"]
+    print(f"the calibration at the end: exponent {end['exponent']}, by rank bucket (1, 2-3, 4-7, ...) ratio "
+          f"{[round(x, 2) for x in end['ratio_by_rank']]}, scale {[round(x, 2) for x in end['scale_by_rank']]}")
     if args.out:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out, json.dumps(out, indent=1))
@@ -192,23 +196,24 @@ class DepthEvidence:
 
         def recording_evidence(cal, pool_logp, verified, row_valid):
             if verified:
-                alpha, scale = cal.choice()
+                alpha, scales = cal.choice()  # a scale per rank bucket
                 top, at = pool_logp.double().topk(verified, dim=1)
                 k = me.topk  # the pool's layout (tree_select.assemble_tree): k nodes at depth 1, then k * k a depth
                 depth = torch.where(at < k, 1, 2 + (at - k) // (k * k)).tolist()
                 live = row_valid.tolist()
-                read = (torch.exp(top * alpha) * (float(scale) / SCALE_ONE)).tolist()
+                scale = scales.gather(0, rank_buckets(verified, top.device)).double() / SCALE_ONE  # [m] by rank
+                read = (torch.exp(top * alpha) * scale).tolist()
                 for r, ok in enumerate(live):
                     for d, x, y in zip(depth[r], read[r], torch.exp(top[r]).tolist()):
                         me.expected[d] += x * ok
                         me.raw[d] += y * ok
             return evidence(cal, pool_logp, verified, row_valid)
 
-        def recording_observe(cal, accepted, row_valid):
+        def recording_observe(cal, accepted, ranks, row_valid):
             for a, ok in zip(accepted.tolist(), row_valid.tolist()):
                 for d in range(1, int(a) + 1) if ok else ():
                     me.accepted[d] += 1
-            return observe(cal, accepted, row_valid)
+            return observe(cal, accepted, ranks, row_valid)
 
         Calibration.evidence, Calibration.observe = recording_evidence, recording_observe
         return self
@@ -222,6 +227,17 @@ class DepthEvidence:
         depths = sorted(set(self.expected) | set(self.accepted))
         return [{"depth": d, "expected": self.expected[d], "expected_raw": self.raw[d], "accepted": self.accepted[d]}
                 for d in depths]
+
+
+def calibration_state(engine) -> dict:
+    """The controller's calibration after the run: its exponent, each rank bucket's ratio (accepted / expected,
+    before the cap) and the scale it applies."""
+    cal = engine.controller.calibration
+    alpha, scales = cal.choice()
+    at = ALPHAS.index(float(alpha))
+    overall = (cal.accepted + cal.prior) / (cal.expected[at] + cal.prior)
+    ratio = (cal.accepted_by_rank + cal.prior * overall) / (cal.expected_by_rank[at] + cal.prior)  # as choice()
+    return {"exponent": float(alpha), "ratio_by_rank": ratio.tolist(), "scale_by_rank": (scales / SCALE_ONE).tolist()}
 
 
 def build(args):

@@ -20,6 +20,7 @@ from tests.runtime_pair import build_pair
 from torchspec.runtime.controlled_drafting import PROBE_WIDTH
 from torchspec.runtime.controller_policy import (
     PROB_ONE,
+    RANK_BUCKETS,
     decide_after_depth,
     expected_tokens,
     reference_decide_after_depth,
@@ -74,7 +75,8 @@ def test_random_rounds_decide_on_the_gpu_like_the_reference():
         depth_ms = 0.02 + torch.rand(d_max, generator=gen) * 0.5
         verify_ms = 1 + torch.cumsum(torch.rand(n_max + 1, generator=gen) * 0.3, 0)
         valid = torch.rand(rows, generator=gen) < 0.9
-        scale = None if i % 2 else int(torch.randint(0, 2 * 65536, (1,), generator=gen))
+        scale = (None if i % 3 == 0 else int(torch.randint(0, 2 * 65536, (1,), generator=gen)) if i % 3 == 1
+                 else torch.randint(0, 4 * 65536, (RANK_BUCKETS,), generator=gen).tolist())  # one a rank bucket
         got, want = decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, scale,
                                                 ahead=i % 4 < 2)
         assert got == want, (i, rows, k, depth, n_max)
@@ -134,11 +136,11 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
     assert len(within) > 10 and len(ahead) > 3 and len(fused) > 3
     ahead += fused  # the kernel's decisions on real rounds, against the reference as the tensor version's
     for pool, front, edge, depth, depth_ms, verify_ms, valid, scale in within:
-        s = None if scale is None else int(scale)
+        s = None if scale is None else scale.tolist()
         got, want = decide_on_gpu_and_reference(pool, front, edge, depth, depth_ms, verify_ms, valid, s)
         assert got == want
     for pool, sizes, children, depth_ms, verify_ms, valid, scale, verified, go, width, drafted, planned in ahead:
-        s = None if scale is None else int(scale)
+        s = None if scale is None else scale.tolist()
         for d, size in enumerate(sizes):  # a child's score is its frontier path plus its edge: the edge here is 0
             want = reference_decide_after_depth(pool[:, :size].tolist(), children[d].tolist(),
                                                 torch.zeros_like(children[d]).tolist(), d, depth_ms.tolist(),

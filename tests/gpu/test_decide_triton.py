@@ -6,7 +6,7 @@ wheel has none), e.g.
     PYTHONPATH=<dir holding triton> TRITON_INTERPRET=1 python -m pytest --noconftest -q tests/gpu/test_decide_triton.py
 
 Random rounds (trees and chains, 1-64 rows, dead rows, tables as deep as the round or deeper, calibrated by a
-Calibration's decayed sums -- any exponent and scale -- or not, every verified width) and edge cases (-inf
+Calibration's decayed sums -- any exponent and scale per rank bucket -- or not, every verified width) and edge cases (-inf
 nodes, tied rates, every row dead, a width-0 table, the smallest exponent): the go flags, widths, the next
 round's plan and the verified nodes' expectation equal ``controller_policy.decide_every_depth`` on the
 path log-probabilities times the calibration's exponent (``Calibration.choice()``) and
@@ -48,6 +48,10 @@ def _calibration(gen: torch.Generator, accepted: float | None = None):
     cal = Calibration(DEV)
     cal.accepted.fill_(float(torch.rand(1, generator=gen)) * 6 if accepted is None else accepted)
     cal.expected.copy_(torch.sort(torch.rand(len(ALPHAS), generator=gen, dtype=torch.float64) * 6).values)
+    shape = cal.expected_by_rank.shape  # and by rank bucket: any scale per bucket, some without evidence
+    cal.accepted_by_rank.copy_(torch.rand(shape[1], generator=gen, dtype=torch.float64) * 3)
+    cal.expected_by_rank.copy_(torch.sort(torch.rand(shape, generator=gen, dtype=torch.float64) * 3, dim=0).values
+                               * (torch.rand(shape[1], generator=gen) < 0.8))
     return cal
 
 
@@ -84,7 +88,7 @@ def _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verif
     assert got.width.tolist() == want.width.tolist()
     assert (int(got.next_depth), int(got.next_width)) == (int(want.next_depth), int(want.next_width))
     assert int(got.drafted) == int(want.drafted)
-    return want, float(alpha), None if scale is None else int(scale)
+    return want, float(alpha), None if scale is None else scale.tolist()
 
 
 def test_random_rounds_decide_as_the_tensor_version_and_the_reference():

@@ -33,7 +33,8 @@ def test_a_round_decides_the_same_on_each_set(tool):
     assert len(go) == len(widths) == 3 and 1 <= depth <= 4 and 0 <= width <= 24 and drafted >= 0  # the table: 24 nodes
     assert r["sizes"] == [4, 20, 36] and r["pool"].shape == (4, 36)  # a dynamic tree's pool: 4, then 16 a depth
     at = r["cal"].alphas.tolist().index(float(r["cal"].choice()[0]))  # the exponent the decision read
-    assert len(pending) == 4 and pending[at] == drafted / (1 << 20)  # its evidence
+    assert len(pending) == 4 and pending[at][-1] == drafted / (1 << 20)  # its evidence: in all ...
+    assert sum(pending[at][:-1]) == pytest.approx(pending[at][-1])  # ... and by rank bucket
 
 
 @pytest.mark.parametrize("bad, message", [(["--depths", "0"], "--depths"), (["--batches", "x"], "--batches"),

@@ -16,6 +16,7 @@ import torch
 from torchspec.runtime.controller_policy import (
     INITIAL_SAMPLED_DEPTH,
     PROB_ONE,
+    RANK_BUCKETS,
     SCALE_ONE,
     chain_depth_for_batch,
     check_costs,
@@ -80,7 +81,8 @@ def test_random_rounds_decide_like_the_reference():
         depth_ms = 0.02 + torch.rand(d_max, generator=gen) * 0.5
         verify_ms = 1 + torch.cumsum(torch.rand(n_max + 1, generator=gen) * 0.3, 0)
         valid = torch.rand(rows, generator=gen) < 0.85
-        scale = None if _ % 2 else int(torch.randint(0, 2 * SCALE_ONE, (1,), generator=gen))  # calibrated half
+        scale = (None if _ % 3 == 0 else int(torch.randint(0, 2 * SCALE_ONE, (1,), generator=gen)) if _ % 3 == 1
+                 else torch.randint(0, 4 * SCALE_ONE, (RANK_BUCKETS,), generator=gen).tolist())  # per rank bucket
         ahead = _ % 4 < 2  # planned for the next round in half of them
         got, want = both(pool, front, edge, depth, depth_ms, verify_ms, valid, scale, ahead)
         assert got == want, (rows, k, depth, d_max, n_max, sharpness)
@@ -280,7 +282,8 @@ def test_every_depth_at_once_decides_like_each_depth_alone():
         depth_ms = 0.02 + torch.rand(d_max, generator=gen) * 0.5
         verify_ms = 1 + torch.cumsum(torch.rand(n_max + 1, generator=gen) * 0.3 - 0.05, 0).clamp(min=0.01)
         valid = torch.rand(rows, generator=gen) < 0.85
-        scale = None if i % 3 == 0 else torch.tensor(int(torch.randint(0, 2 * SCALE_ONE, (1,), generator=gen)))
+        scale = (None if i % 3 == 0 else torch.tensor(int(torch.randint(0, 2 * SCALE_ONE, (1,), generator=gen)))
+                 if i % 6 < 3 else torch.randint(0, 4 * SCALE_ONE, (RANK_BUCKETS,), generator=gen))  # per rank bucket
         sharp = float(torch.rand(1, generator=gen)) * 8
         pools, children, sizes, want_go, want_width, each_pool = [], [], [], [], [], []
         for depth in range(drafted):  # depth d's tree is the prefix of the next one's (the same seed)
@@ -296,7 +299,7 @@ def test_every_depth_at_once_decides_like_each_depth_alone():
         plan = decide_every_depth(pools, sizes, torch.stack(children), depth_ms, verify_ms, valid, scale, verified)
         assert plan.go.tolist() == want_go and plan.width.tolist() == want_width, (i, rows, k, drafted, d_max, n_max)
         want_plan = reference_next_plan(each_pool, front.tolist(), edge.tolist(), depth_ms.tolist(), verify_ms.tolist(),
-                                        valid.tolist(), None if scale is None else int(scale))
+                                        valid.tolist(), None if scale is None else scale.tolist())
         assert (int(plan.next_depth), int(plan.next_width)) == want_plan
         seen_plan.add(want_plan)
         expect = int(expected_tokens(pools, verified, valid)[-1]) - int(valid.sum()) * PROB_ONE
@@ -305,3 +308,22 @@ def test_every_depth_at_once_decides_like_each_depth_alone():
         seen_width.update(want_width)
     assert seen_go == {True, False} and len(seen_width) > 8
     assert len({d for d, _ in seen_plan}) >= 4 and len({w for _, w in seen_plan}) > 8  # every depth, one more too
+
+
+def test_a_scale_per_rank_bucket_weighs_each_rank_by_its_bucket():
+    """One scale in every bucket is the single scale; a bucket's scale moves only the widths that reach its ranks
+    (ranks 1, 2-3, 4-7, ...), in the tensor version and the reference alike."""
+    from torchspec.runtime.controller_policy import rank_bucket, rank_buckets
+
+    assert [rank_bucket(r) for r in (0, 1, 2, 3, 6, 7, 14, 15, 30, 31, 500)] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert rank_buckets(40, torch.device("cpu")).tolist() == [rank_bucket(r) for r in range(40)]
+    gen = torch.Generator().manual_seed(5)
+    pool, _, _ = draft_scores(gen, 3, 4, 2, 50, 2.0)  # 36 nodes a row
+    valid = torch.tensor([True, False, True])
+    one = expected_tokens(pool, 36, valid, torch.tensor(3 * SCALE_ONE // 2))
+    assert one.tolist() == expected_tokens(pool, 36, valid, torch.full((RANK_BUCKETS,), 3 * SCALE_ONE // 2)).tolist()
+    lifted = [SCALE_ONE] * RANK_BUCKETS
+    lifted[3] = 4 * SCALE_ONE  # ranks 7-14
+    plain, more = expected_tokens(pool, 36, valid).tolist(), expected_tokens(pool, 36, valid, torch.tensor(lifted)).tolist()
+    assert more[:8] == plain[:8] and all(m > p for m, p in zip(more[8:], plain[8:]))  # widths 8+ reach rank 7
+    assert more == reference_expected_tokens(pool.tolist(), 36, valid.tolist(), lifted)

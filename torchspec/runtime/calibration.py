@@ -13,6 +13,16 @@ accepted (ratio nearest 1; ties to the plainest, a = 1), times the remaining rat
 ``(accepted + prior) / (expected_a + prior)`` (at most ``most``) as a scale. The small prior pulls both back
 to the confidence as is without evidence, so the controller probes again. An untrained drafter (nothing
 accepted) keeps a = 1 and is scaled towards 0: verified for a round or two, then almost never.
+
+**The scale is kept per rank.** A drafter overconfident along its best path is underconfident in its
+alternatives: the mass the best path does not earn is where the lower-ranked nodes are accepted. One scale
+for all nodes then reads the 17th-32nd best nodes as worth nothing, and the width criterion verifies 16 or 8
+where 32 accept more (the SmolLM2-shaped controlled pair, docs/results.md, eighteenth session). So the
+evidence is also kept by bucket of a verified node's rank by path probability (``controller_policy.
+rank_bucket``: 1, 2-3, 4-7, 8-15, 16-31, 32+): the verified nodes' expectation per bucket, and the accepted
+path's nodes counted in their rank's bucket (``DraftTree.score_rank``); the exponent is chosen on the
+totals, and each bucket's ratio under it scales that bucket's nodes, shrunk towards the overall ratio where
+the bucket has little evidence (an untrained drafter's deep ranks, never verified, are not probed for it).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import itertools
 
 import torch
 
-from torchspec.runtime.controller_policy import PROB_ONE, SCALE_ONE
+from torchspec.runtime.controller_policy import PROB_ONE, RANK_BUCKETS, SCALE_ONE, bucket_of, rank_buckets
 
 _SERIALS = itertools.count()  # a calibration's number: graphs that read it are keyed by it, never by id()
 ALPHAS = (1.0, 0.5, 0.25, 0.125)  # exponents of the path probabilities (powers of two: p^a's logp * a is exact)
@@ -30,10 +40,11 @@ ALPHAS = (1.0, 0.5, 0.25, 0.125)  # exponents of the path probabilities (powers 
 class Calibration:
     """Decayed evidence of how far the drafter's confidence is borne out (module docstring): per round
     ``accepted = decay * accepted + drafted tokens accepted`` and, for each exponent ``a`` of ``ALPHAS``,
-    ``expected[a] = decay * expected[a] + the verified nodes' sum of p^a``; ``choice()`` is the exponent whose
-    expectation is nearest and the scale ``(accepted + prior) / (expected[a] + prior)``, at most ``most``.
-    Defaults: evidence halves in ~14 rounds; an untrained drafter that expected ~3 tokens and got none is
-    scaled to ~0.08 and probed again after ~50 rounds."""
+    ``expected[a] = decay * expected[a] + the verified nodes' sum of p^a``; the same split by bucket of the
+    nodes' rank (``controller_policy.rank_bucket``: ``accepted_by_rank`` counts the accepted path's nodes by
+    their rank, ``expected_by_rank[a]`` the verified nodes' p^a). ``choice()`` is the exponent whose expectation
+    is nearest and a scale per rank bucket (``choice``), each at most ``most``. Defaults: evidence halves in ~14 rounds; an untrained drafter that expected ~3 tokens and
+    got none is scaled to ~0.08 and probed again after ~50 rounds."""
 
     def __init__(self, device: torch.device, decay: float = 0.95, prior: float = 0.25, most: float = 4.0):
         if not (0 < decay < 1 and prior > 0 and most >= 1):
@@ -45,34 +56,53 @@ class Calibration:
         self.limits = torch.tensor([prior, most], dtype=torch.float64, device=device)  # read by decide_triton
         self.accepted = torch.zeros((), dtype=torch.float64, device=device)
         self.expected = torch.zeros(len(ALPHAS), dtype=torch.float64, device=device)
-        self.pending: torch.Tensor | None = None  # this round's expectations [len(ALPHAS)], until its verification
+        self.accepted_by_rank = torch.zeros(RANK_BUCKETS, dtype=torch.float64, device=device)
+        self.expected_by_rank = torch.zeros(len(ALPHAS), RANK_BUCKETS, dtype=torch.float64, device=device)
+        # this round's expectations until its verification: [len(ALPHAS), RANK_BUCKETS + 1], by bucket then all
+        self.pending: torch.Tensor | None = None
 
     def choice(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the exponent, 0-d float64; the scale, 0-d int64 in units of SCALE_ONE), no host read: the exponent
-        whose decayed expectation is nearest the accepted tokens (ratio or its inverse smallest; the first,
-        a = 1, on ties)."""
+        """(the exponent, 0-d float64; the scales, [RANK_BUCKETS] int64 in units of SCALE_ONE), no host read: the
+        exponent whose decayed expectation is nearest the accepted tokens (ratio or its inverse smallest; the
+        first, a = 1, on ties), then each rank bucket's ratio under it, its prior pulled to that overall ratio
+        (``(accepted_by_rank + prior * overall) / (expected_by_rank[a] + prior)``): a bucket never verified is
+        read as all nodes are, not as the drafter's confidence as is."""
         ratio = (self.accepted + self.prior) / (self.expected + self.prior)  # [A]
         at = torch.argmin(torch.maximum(ratio, 1 / ratio)).view(1)  # the first minimum
-        scale = torch.round(ratio.gather(0, at)[0].clamp(max=self.most) * SCALE_ONE).long()
-        return self.alphas.gather(0, at)[0], scale
+        overall = ratio.gather(0, at)[0]  # a bucket without evidence of its own is scaled as all nodes are
+        by_rank = ((self.accepted_by_rank + self.prior * overall)
+                   / (self.expected_by_rank.index_select(0, at)[0] + self.prior))
+        return self.alphas.gather(0, at)[0], torch.round(by_rank.clamp(max=self.most) * SCALE_ONE).long()
 
     def evidence(self, pool_logp: torch.Tensor, verified: int, row_valid: torch.Tensor) -> torch.Tensor:
-        """What a round that verifies the ``verified`` best nodes of each live row expects, under each exponent
-        -> [len(ALPHAS)] float64 drafted tokens (the fixed-point units of ``controller_policy``: p^a is monotone
-        in p, so the best nodes are the same under every exponent and a = 1 is the decisions' own sum)."""
+        """What a round that verifies the ``verified`` best nodes of each live row expects, under each exponent,
+        by rank bucket and in all -> [len(ALPHAS), RANK_BUCKETS + 1] float64 drafted tokens (sums of the
+        fixed-point units of ``controller_policy``, exact; p^a is monotone in p, so the best nodes and their
+        ranks are the same under every exponent)."""
+        out = self.expected.new_zeros(len(ALPHAS), RANK_BUCKETS + 1)
         if verified == 0:
-            return self.alphas.new_zeros(len(ALPHAS))
-        top = pool_logp.double().topk(verified, dim=1).values  # [B, m] the verified nodes' path log-probs
+            return out
+        top = pool_logp.double().topk(verified, dim=1).values  # [B, m] the verified nodes' path log-probs, by rank
         units = torch.floor(torch.exp(top[None] * self.alphas[:, None, None]) * PROB_ONE).long()  # [A, B, m]
-        return (units * row_valid[None, :, None]).sum((1, 2)).double() / PROB_ONE
+        per_rank = (units * row_valid[None, :, None]).sum(1)  # [A, m]
+        buckets = rank_buckets(verified, pool_logp.device).expand(len(ALPHAS), verified)
+        by_rank = per_rank.new_zeros(len(ALPHAS), RANK_BUCKETS).scatter_add_(1, buckets, per_rank)
+        return torch.cat([by_rank, per_rank.sum(1, keepdim=True)], 1).double() / PROB_ONE
 
-    def observe(self, accepted: torch.Tensor, row_valid: torch.Tensor) -> None:
-        """After verification: ``accepted`` [B] drafted tokens accepted per row (live rows count; a round without
-        any, a CUDA-graph warm-up on idle inputs, leaves the evidence as it was)."""
+    def observe(self, accepted: torch.Tensor, ranks: torch.Tensor, row_valid: torch.Tensor) -> None:
+        """After verification: ``accepted`` [B] drafted tokens accepted per row and ``ranks`` [B, D] the rank of the
+        accepted path's node at each depth 1..D (``DraftTree.score_rank`` along the path; past ``accepted``: not
+        read). Live rows count; a round without any, a CUDA-graph warm-up on idle inputs, leaves the evidence as
+        it was."""
         assert self.pending is not None, "observe follows a controlled round's draft"
+        on_path = (torch.arange(ranks.shape[1], device=ranks.device) < accepted[:, None]) & row_valid[:, None]
+        by_rank = self.accepted_by_rank.new_zeros(RANK_BUCKETS).scatter_add_(
+            0, bucket_of(ranks.clamp(min=0)).flatten(), on_path.flatten().double())
         decay = torch.where(row_valid.any(), self.decay, 1.0).double()
         self.accepted.mul_(decay).add_((accepted * row_valid).sum().double())
-        self.expected.mul_(decay).add_(self.pending)
+        self.expected.mul_(decay).add_(self.pending[:, RANK_BUCKETS])
+        self.accepted_by_rank.mul_(decay).add_(by_rank)
+        self.expected_by_rank.mul_(decay).add_(self.pending[:, :RANK_BUCKETS])
         self.pending = None
 
 

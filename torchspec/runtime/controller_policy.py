@@ -47,6 +47,11 @@ depend on the reduction order. So probabilities become fixed point, ``floor(exp(
 any order. Each rate is one IEEE float64 division of exact integers, the same number everywhere;
 equal rates go to the smaller width. The one op that may round differently is ``exp`` (1 float64 ulp):
 a probability's unit flips only within 2^-32 of a grid point, and flips a decision only at a near-tie.
+
+**Calibrated.** Every function takes an optional ``scale`` (int64, units of ``SCALE_ONE``): one for all nodes, or
+one per bucket of a node's rank among its row's best (``rank_bucket``: 1, 2-3, 4-7, 8-15, 16-31, 32+) as the
+calibration keeps them (``calibration.py``); the expectation of width n is ``sum_{j<n} per_rank_j * s_j //
+SCALE_ONE``, integers again, so one scale in every bucket is exactly the single scale.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ PROB_ONE = 1 << 20  # fixed-point units per expected token
 SCALE_ONE = 1 << 16  # fixed-point units of the calibration scale (1.0: the drafter's confidence taken as is)
 NS_PER_MS = 1_000_000
 INITIAL_SAMPLED_DEPTH = 1  # depth 0 alone; grows by one per round while the criterion keeps going
+RANK_BUCKETS = 6  # a calibration scale per bucket of ranks: 1, 2-3, 4-7, 8-15, 16-31, 32 and beyond (rank 0 best)
 
 
 class Decision(NamedTuple):
@@ -106,13 +112,37 @@ def _ns(ms: torch.Tensor) -> torch.Tensor:
     return torch.round(ms.double() * NS_PER_MS).long()
 
 
+def rank_bucket(rank: int) -> int:
+    """The calibration bucket of a node's rank among its row's verified nodes (0 = the best)."""
+    return min((rank + 1).bit_length() - 1, RANK_BUCKETS - 1)
+
+
+def bucket_of(ranks: torch.Tensor) -> torch.Tensor:
+    """``rank_bucket`` of every rank of a tensor (int64, same shape; no host read)."""
+    return sum((ranks >= (2 << i) - 1).long() for i in range(RANK_BUCKETS - 1))
+
+
+def rank_buckets(n: int, dev: torch.device) -> torch.Tensor:
+    """[n] int64 ``rank_bucket`` of ranks 0 .. n-1, built on the device (capturable: no host copy)."""
+    return bucket_of(torch.arange(n, device=dev))
+
+
+def _scaled_cumsum(per_rank: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """per_rank [..., W] int64 (the rank-j node of every row, summed) -> [..., W] the expected drafted tokens of
+    widths 1..W: ``cumsum(per_rank * s_j) // SCALE_ONE`` with ``s_j`` the scale (0-d: every rank alike, the same
+    as scaling the sum; [RANK_BUCKETS]: rank j's bucket's) -- integers, exact in any order, on every device."""
+    if scale is None:
+        return torch.cumsum(per_rank, -1)
+    if scale.dim() == 1:
+        scale = scale.gather(0, rank_buckets(per_rank.shape[-1], per_rank.device))
+    return torch.cumsum(per_rank * scale, -1) // SCALE_ONE
+
+
 def _tokens(units: torch.Tensor, max_width: int, row_valid: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """units [B, P] -> tokens(n) for n = 0 .. max_width, summed over live rows (fixed point) [W + 1];
-    ``scale`` (0-d int64, units of SCALE_ONE) multiplies the drafted tokens' expectation."""
+    ``scale`` (int64, units of SCALE_ONE: 0-d, or one a rank bucket) multiplies the drafted tokens' expectation."""
     ranked = torch.sort(units, dim=-1, descending=True).values[:, :max_width] * row_valid[:, None]  # [B, W]
-    per_width = torch.cumsum(ranked.sum(0), 0)  # [W]: exact in any order (integers)
-    if scale is not None:
-        per_width = per_width * scale // SCALE_ONE  # integer: exact, the same on every device
+    per_width = _scaled_cumsum(ranked.sum(0), scale)  # [W]
     bonus = row_valid.sum() * PROB_ONE  # every live row emits the target's token
     return bonus + torch.cat([per_width.new_zeros(1), per_width])
 
@@ -211,7 +241,7 @@ def decide_every_depth(pool_logp: torch.Tensor, sizes: list[int], children_logp:
     def rates(units: torch.Tensor, width: int, widest: list[int], drafted_ns: torch.Tensor):
         ranked = torch.sort(units, dim=-1, descending=True).values[..., :width] * row_valid[:, None]  # [D, B, W]
         unscaled = torch.cumsum(ranked.sum(1), 1)  # [D, W]
-        scaled = unscaled if scale is None else unscaled * scale // SCALE_ONE
+        scaled = _scaled_cumsum(ranked.sum(1), scale)
         tokens = row_valid.sum() * PROB_ONE + torch.cat([scaled.new_zeros(d, 1), scaled], 1)  # [D, W + 1]
         verify = _ns(verify_ms[: width + 1])  # [W + 1]
         cost = torch.cat([verify[:1].expand(d, 1), drafted_ns[:, None] + verify[1:]], 1)  # width 0: a plain round
@@ -273,7 +303,8 @@ def _ref_units(logp: float) -> int:
 
 
 def reference_expected_tokens(pool: list[list[float]], max_width: int, row_valid: list[bool],
-                              scale: int | None = None) -> list[int]:
+                              scale: int | list[int] | None = None) -> list[int]:
+    """``scale``: one for every rank, or one a rank bucket (``rank_bucket``)."""
     width = min(max_width, len(pool[0]))
     totals = [0] * (width + 1)
     for row, live in zip(pool, row_valid):
@@ -285,8 +316,14 @@ def reference_expected_tokens(pool: list[list[float]], max_width: int, row_valid
             totals[n] += running
             if n < width:
                 running += probs[n]
-    live = sum(row_valid)
-    return [live * PROB_ONE + (t if scale is None else t * scale // SCALE_ONE) for t in totals]
+    if scale is None:
+        return [sum(row_valid) * PROB_ONE + t for t in totals]
+    per_rank = [totals[n + 1] - totals[n] for n in range(width)]  # the rank-n nodes of the live rows, summed
+    scales = [scale] * width if isinstance(scale, int) else [scale[rank_bucket(n)] for n in range(width)]
+    weighted = [0]
+    for x, sc in zip(per_rank, scales):
+        weighted.append(weighted[-1] + x * sc)
+    return [sum(row_valid) * PROB_ONE + w // SCALE_ONE for w in weighted]
 
 
 def _ref_best(tokens: list[int], depth: int, depth_ms: list[float], verify_ms: list[float],
@@ -301,14 +338,14 @@ def _ref_best(tokens: list[int], depth: int, depth_ms: list[float], verify_ms: l
 
 
 def reference_verify_width(pool: list[list[float]], depth: int, depth_ms: list[float], verify_ms: list[float],
-                           row_valid: list[bool], scale: int | None = None, ahead: bool = False) -> int:
+                           row_valid: list[bool], scale: int | list[int] | None = None, ahead: bool = False) -> int:
     return _ref_best(reference_expected_tokens(pool, len(verify_ms) - 1, row_valid, scale), depth, depth_ms,
                      verify_ms, ahead)[0]
 
 
 def reference_decide_after_depth(pool: list[list[float]], frontier: list[list[float]],
                                  frontier_edge: list[list[float]], depth: int, depth_ms: list[float],
-                                 verify_ms: list[float], row_valid: list[bool], scale: int | None = None,
+                                 verify_ms: list[float], row_valid: list[bool], scale: int | list[int] | None = None,
                                  ahead: bool = False) -> tuple[int, bool, bool]:
     """(width, stop, go), as ``decide_after_depth``."""
     tokens = reference_expected_tokens(pool, len(verify_ms) - 1, row_valid, scale)
@@ -324,7 +361,7 @@ def reference_decide_after_depth(pool: list[list[float]], frontier: list[list[fl
 
 def reference_next_plan(pools: list[list[list[float]]], frontier: list[list[float]],
                         frontier_edge: list[list[float]], depth_ms: list[float], verify_ms: list[float],
-                        row_valid: list[bool], scale: int | None = None) -> tuple[int, int]:
+                        row_valid: list[bool], scale: int | list[int] | None = None) -> tuple[int, int]:
     """(depths, width) of the next round planned ahead (``RoundPlan.next_depth``, ``next_width``): ``pools[d]``
     the pool after depth d, ``frontier`` / ``frontier_edge`` those of the last depth drafted."""
     best, best_rate = (1, 0), -1.0
@@ -349,7 +386,8 @@ def reference_next_sampled_depth(go_flags: list[bool], max_depth: int) -> int:
     return min(len(go_flags) + 1, max_depth)
 
 
-__all__ = ["PROB_ONE", "SCALE_ONE", "INITIAL_SAMPLED_DEPTH", "Decision", "RoundPlan", "check_costs", "expected_tokens",
+__all__ = ["PROB_ONE", "RANK_BUCKETS", "SCALE_ONE", "INITIAL_SAMPLED_DEPTH", "Decision", "RoundPlan", "check_costs", "expected_tokens",
            "verify_width", "decide_after_depth", "decide_every_depth", "next_sampled_depth", "chain_depth_for_batch",
+           "bucket_of", "rank_bucket", "rank_buckets",
            "reference_expected_tokens", "reference_verify_width", "reference_decide_after_depth", "reference_next_plan",
            "reference_next_sampled_depth"]

@@ -6,11 +6,11 @@ inside a CUDA graph each is a launch of a few microseconds, so at SmolLM2's size
 GPU time as a draft depth (on an H200, 190-236 us a decision against 7-35 us fused at batch 1-8,
 ``tools/bench_controller_decide.py``). ``decide_every_depth_fused`` does it in one program: the calibration's
 choice (``Calibration.choice``: the exponent whose decayed expectation is nearest the accepted tokens, and
-the remaining scale), every drafted node's probability in fixed point (its path log-probability times that
+the remaining scale of each rank bucket), every drafted node's probability in fixed point (its path log-probability times that
 exponent), each depth's pool (and its predicted children: frontier path plus best edge) sorted per row and
-summed over the live rows, the expected tokens of every width, their rates against the costs, the go flags,
-the chosen widths, the next round's (depth, width), and the calibration's evidence
-(``Calibration.evidence``: the verified nodes' expectation under every exponent).
+summed over the live rows and weighted by its rank's scale, the expected tokens of every width, their rates
+against the costs, the go flags, the chosen widths, the next round's (depth, width), and the calibration's
+evidence (``Calibration.evidence``: the verified nodes' expectation under every exponent, by rank bucket).
 
 **The same decisions bit for bit.** Every step is the tensor version's arithmetic in the same types: float64
 ``exp`` (libdevice's, which CUDA's own ``exp`` is), ``floor`` to int64 fixed point, costs rounded to integer
@@ -45,7 +45,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from torchspec.runtime.calibration import ALPHAS, Calibration
-from torchspec.runtime.controller_policy import NS_PER_MS, PROB_ONE, SCALE_ONE, RoundPlan
+from torchspec.runtime.controller_policy import NS_PER_MS, PROB_ONE, RANK_BUCKETS, SCALE_ONE, RoundPlan
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROW_CHUNK = 8  # rows a step of the kernel's row loop (its code is one chunk's: compiled in seconds at any batch)
@@ -78,11 +78,22 @@ def _ranked_units(logp, keep, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _best_width(per_rank, live_units, scale, drafted_ns, verify_ns, size, NMAX, n):
-    """One pool's rates: the n-th best node of every row summed, per_rank [BG] int64 -> (best rate, its width, the
-    unscaled expected drafted tokens of every width [BG]); widths up to the pool's ``size`` and ``NMAX``."""
+def _bucket_of(n, R: tl.constexpr):
+    """``controller_policy.bucket_of``: a rank's bucket (1, 2-3, 4-7, ...; the last takes the rest)."""
+    bucket = tl.zeros_like(n)
+    for i in tl.static_range(R - 1):
+        bucket += (n >= (2 << i) - 1).to(bucket.dtype)
+    return bucket
+
+
+@triton.jit
+def _best_width(per_rank, rank_scale, live_units, drafted_ns, verify_ns, size, NMAX, n):
+    """One pool's rates: the n-th best node of every row summed, per_rank [BG] int64, times its rank's scale
+    (units of SCALE_ONE) -> (best rate, its width, the unscaled expected drafted tokens of every width [BG]);
+    widths up to the pool's ``size`` and ``NMAX``."""
     unscaled = tl.cumsum(per_rank, axis=0) - per_rank  # width n: the n best of every row
-    tokens = live_units + unscaled * scale // _SCALE_ONE
+    weighted = per_rank * rank_scale
+    tokens = live_units + (tl.cumsum(weighted, axis=0) - weighted) // _SCALE_ONE
     cost = tl.where(n == 0, verify_ns, drafted_ns + verify_ns)  # width 0: a plain round, which drafts nothing
     rate = tokens.to(tl.float64) / cost.to(tl.float64)
     rate = tl.where((n <= size) & (n <= NMAX), rate, -1.0)
@@ -94,43 +105,54 @@ def _best_width(per_rank, live_units, scale, drafted_ns, verify_ns, size, NMAX, 
 @triton.jit
 def _decide_kernel(
     pool_ptr, front_ptr, edge_ptr, depth_ms_ptr, verify_ms_ptr, valid_ptr,
-    accepted_ptr, expected_ptr, limits_ptr, alphas_ptr, go_ptr, width_ptr, ints_ptr, pending_ptr,
+    accepted_ptr, expected_ptr, accepted_rank_ptr, expected_rank_ptr, limits_ptr, alphas_ptr,
+    go_ptr, width_ptr, ints_ptr, pending_ptr,
     B, P, F, T, NMAX, FIRST, STEP, VERIFIED, D,  # runtime: one compiled kernel serves every batch, depth and table
-    A: tl.constexpr, CALIBRATED: tl.constexpr, EXACT: tl.constexpr,
-    RB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr,
+    A: tl.constexpr, R: tl.constexpr, CALIBRATED: tl.constexpr, EXACT: tl.constexpr,
+    RB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr, BR: tl.constexpr,
 ):
     # Rows go RB at a time (a runtime loop: the code is one chunk's, whatever the batch), depths one at a time.
     chunk = tl.arange(0, RB)
     n = tl.arange(0, BG)  # a pool column, and a width
     c2 = n[None, :]
     a_idx = tl.arange(0, BA)
+    r_idx = tl.arange(0, BR)
+    at_bucket = _bucket_of(n, R)[:, None] == r_idx[None, :]  # [BG, BR] rank n's bucket
     live_units = tl.zeros([], tl.int64)
     for r0 in range(0, B, RB):  # every live row emits the target's token
         rows = r0 + chunk
         live_units += tl.sum((tl.load(valid_ptr + rows, mask=rows < B, other=0) != 0).to(tl.int64), axis=0)
     live_units = live_units * _PROB_ONE
-    if CALIBRATED:  # Calibration.choice(): the exponent whose expectation is nearest, then the remaining scale
+    if CALIBRATED:  # Calibration.choice(): the exponent whose expectation is nearest, then each rank bucket's scale
         alphas = tl.load(alphas_ptr + a_idx, mask=a_idx < A, other=1.0)
         prior = tl.load(limits_ptr)
         ratio = (tl.load(accepted_ptr) + prior) / (tl.load(expected_ptr + a_idx, mask=a_idx < A, other=0.0) + prior)
         off = tl.where(a_idx < A, tl.maximum(ratio, 1.0 / ratio), float("inf"))
         at = tl.min(tl.where(off == tl.min(off, axis=0), a_idx, BA), axis=0)  # the first minimum
         alpha = tl.sum(tl.where(a_idx == at, alphas, 0.0), axis=0)
-        scale = _rint(tl.minimum(tl.sum(tl.where(a_idx == at, ratio, 0.0), axis=0), tl.load(limits_ptr + 1)) * _SCALE_ONE)
-        evidence = tl.zeros([BA], tl.int64)  # Calibration.evidence(): the verified best of each row ...
+        expected_at = tl.load(expected_rank_ptr + at * R + r_idx, mask=r_idx < R, other=0.0)  # [BR]
+        overall = tl.sum(tl.where(a_idx == at, ratio, 0.0), axis=0)  # a bucket without evidence: scaled as all
+        by_rank = (tl.load(accepted_rank_ptr + r_idx, mask=r_idx < R, other=0.0) + prior * overall) / (expected_at + prior)
+        scales = _rint(tl.minimum(by_rank, tl.load(limits_ptr + 1)) * _SCALE_ONE)  # [BR]
+        rank_scale = tl.sum(tl.where(at_bucket, scales[None, :], 0), axis=1)  # [BG]
+        evidence = tl.zeros([BA, BR], tl.int64)  # Calibration.evidence(): the verified best of each row ...
         for r0 in range(0, B, RB):
             r2 = (r0 + chunk)[:, None]
             live = tl.load(valid_ptr + r2, mask=r2 < B, other=0) != 0
             ranked_raw = tl.sort(tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf"))
                                  .to(tl.float64), dim=1, descending=True)
-            for a in tl.static_range(A):  # ... under every exponent
+            for a in tl.static_range(A):  # ... under every exponent, by rank bucket
                 units = tl.floor(_exp64(ranked_raw * tl.load(alphas_ptr + a), EXACT) * _PROB_ONE).to(tl.int64)
-                part = tl.sum(tl.sum(tl.where(live & (c2 < VERIFIED), units, 0), axis=1), axis=0)
-                evidence += tl.where(a_idx == a, part, 0)
-        tl.store(pending_ptr + a_idx, evidence.to(tl.float64) / _PROB_ONE, mask=a_idx < A)
+                per_rank = tl.sum(tl.where(live & (c2 < VERIFIED), units, 0), axis=0)  # [BG]
+                part = tl.sum(tl.where(at_bucket, per_rank[:, None], 0), axis=0)  # [BR]
+                evidence += tl.where(a_idx[:, None] == a, part[None, :], 0)
+        # pending [A, R + 1]: by bucket, then the total (exact integer sums, as Calibration.evidence)
+        ev = evidence.to(tl.float64) / _PROB_ONE
+        tl.store(pending_ptr + a_idx[:, None] * (R + 1) + r_idx[None, :], ev, mask=(a_idx[:, None] < A) & (r_idx[None, :] < R))
+        tl.store(pending_ptr + a_idx * (R + 1) + R, tl.sum(evidence, axis=1).to(tl.float64) / _PROB_ONE, mask=a_idx < A)
     else:
         alpha = 1.0
-        scale = _SCALE_ONE
+        rank_scale = tl.full([BG], _SCALE_ONE, tl.int64)
     t_idx = tl.arange(0, BT)
     depth_ns = _rint(tl.load(depth_ms_ptr + t_idx, mask=t_idx < T, other=0.0).to(tl.float64) * _NS_PER_MS)
     depth_ns = tl.where(t_idx < T, depth_ns, 0)
@@ -158,9 +180,10 @@ def _decide_kernel(
             current += _ranked_units(logp, live & (c2 < size), EXACT)
             grown += _ranked_units(tl.where(c2 < P, logp, child), live & ((c2 < size) | ((child_at >= 0) & (child_at < F))), EXACT)
         drafted_ns = tl.sum(tl.where(t_idx <= t, depth_ns, 0), axis=0)  # depths 0..t
-        rate, width, unscaled = _best_width(current, live_units, scale, drafted_ns, verify_ns, size, NMAX, n)
+        rate, width, unscaled = _best_width(current, rank_scale, live_units, drafted_ns, verify_ns, size, NMAX, n)
         deeper_ns = tl.sum(tl.where(t_idx <= t + 1, depth_ns, 0), axis=0)  # depths 0..t+1 (0 beyond the table)
-        deeper, deeper_width, _ = _best_width(grown, live_units, scale, deeper_ns, verify_ns, size + F, NMAX, n)
+        deeper, deeper_width, _ = _best_width(grown, rank_scale, live_units, deeper_ns, verify_ns, size + F, NMAX,
+                                              n)
         tl.store(go_ptr + t, (deeper > rate) & (t + 1 < T))  # the table's last depth never goes deeper
         tl.store(width_ptr + t, width)
         better = rate > best_rate  # strict: a tie keeps the shallower round
@@ -193,8 +216,9 @@ def kernel_variant(batch: int, first_step: tuple[int, int], frontier: int, table
     first, step = first_step
     columns = triton.next_power_of_2(first + step * (table_depths - 1) + frontier + 1)
     rows = min(triton.next_power_of_2(batch), ROW_CHUNK, max(1, CHUNK_NODES // columns))
-    return dict(A=len(ALPHAS), CALIBRATED=calibrated, EXACT=not INTERPRET, RB=rows, BG=columns,
-                BT=max(8, triton.next_power_of_2(table_depths)), BA=triton.next_power_of_2(len(ALPHAS)), num_warps=4)
+    return dict(A=len(ALPHAS), R=RANK_BUCKETS, CALIBRATED=calibrated, EXACT=not INTERPRET, RB=rows, BG=columns,
+                BT=max(8, triton.next_power_of_2(table_depths)), BA=triton.next_power_of_2(len(ALPHAS)),
+                BR=triton.next_power_of_2(RANK_BUCKETS), num_warps=4)
 
 
 def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_logp: torch.Tensor,
@@ -203,7 +227,7 @@ def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_lo
                              verified: int) -> tuple[RoundPlan, torch.Tensor | None]:
     """In one launch: with ``alpha, scale = calibration.choice()``, ``decide_every_depth(pool_logp.double() * alpha,
     sizes, (front_logp.double() + edge_logp.double()) * alpha, depth_ms, verify_ms, row_valid, scale, verified)``
-    and ``calibration.evidence(pool_logp, verified, row_valid)`` -> (the RoundPlan, that evidence [A] float64);
+    and ``calibration.evidence(pool_logp, verified, row_valid)`` -> (the RoundPlan, that evidence [A, R + 1]);
     ``calibration`` None: the confidence as is (exponent 1, no scale; evidence None). front_logp / edge_logp
     [D, B, F]: each depth's frontier paths and their best edges. Sizes must grow by one step (``fused_sizes``);
     shapes are checked as the tensor version checks them."""
@@ -221,11 +245,12 @@ def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_lo
     width = torch.empty(d, dtype=torch.long, device=dev)
     ints = torch.empty(3, dtype=torch.long, device=dev)  # next depth, next width, drafted
     a = len(ALPHAS)
-    pending = torch.empty(a, dtype=torch.float64, device=dev)
+    pending = torch.empty(a, RANK_BUCKETS + 1, dtype=torch.float64, device=dev)
     cal = calibration
     _decide_kernel[(1,)](
         pool_logp.contiguous(), front_logp.contiguous(), edge_logp.contiguous(), depth_ms, verify_ms, row_valid,
-        *((cal.accepted, cal.expected, cal.limits, cal.alphas) if cal is not None else (pending,) * 4),
+        *((cal.accepted, cal.expected, cal.accepted_by_rank, cal.expected_by_rank, cal.limits, cal.alphas)
+          if cal is not None else (pending,) * 6),
         go, width, ints, pending,
         b, p, f, t, n_max, first_step[0], first_step[1], verified, d,
         **kernel_variant(b, first_step, f, t, cal is not None),

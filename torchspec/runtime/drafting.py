@@ -212,8 +212,8 @@ class TreePool:
         if m == 0:
             return chain_tree(root[:, None])
         b, dev = root.shape[0], root.device
-        tokens, parents, depths, rank = assemble_tree(root, self.tok, self.sc, self.parent, m)
-        return DraftTree(tokens=tokens, parents=parents, depths=depths,
+        tokens, parents, depths, rank, score_rank = assemble_tree(root, self.tok, self.sc, self.parent, m)
+        return DraftTree(tokens=tokens, parents=parents, depths=depths, score_rank=score_rank,
                          valid=torch.ones(b, m + 1, dtype=torch.bool, device=dev),
                          sampled=torch.zeros(b, m + 1, dtype=torch.bool, device=dev), sibling_rank=rank,
                          dist_index=torch.full((b, m + 1), -1, dtype=torch.long, device=dev))

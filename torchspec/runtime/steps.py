@@ -249,7 +249,7 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
                               max_tries=spec.max_tries(params))
     a = res.num_accepted  # [B]
     if costs is not None and params.greedy:  # how far the drafter's confidence was borne out
-        costs.calibration.observe(a, inp.row_valid)
+        costs.calibration.observe(a, _path_ranks(tree, res.path), inp.row_valid)
     if isinstance(attend, HybridAttend):  # recurrent state: the accepted path's last node only
         attend.commit(res.path.gather(1, a[:, None])[:, 0], inp.row_valid)
     path, src, dst, emitted = _compaction(a, res.path, res.next_token, tree.tokens, bt, ctx, inp.row_valid,
@@ -259,6 +259,15 @@ def speculate(decoder: TargetDecoder, runner: DrafterRunner, caches: Caches, inp
     aux = [torch.gather(h, 1, path[:, :, None].expand(b, width, h.shape[-1])) for h in out.aux]
     normed, feedback = catch_up_drafter(runner, caches, bt, ctx, emitted, aux, a, inp.row_valid)
     return StepOut(tokens=emitted, count=a + 1, root=res.next_token, normed=normed, feedback=feedback, plan=plan)
+
+
+def _path_ranks(tree: DraftTree, path: torch.Tensor) -> torch.Tensor:
+    """[B, D] the score rank of the accepted path's node at each depth 1..D (the calibration's evidence by rank);
+    a tree without ranks is a chain, whose depth-d node is its rank d - 1."""
+    nodes = path[:, 1:].clamp(min=0)
+    if tree.score_rank is None:
+        return torch.arange(nodes.shape[1], device=path.device).expand_as(nodes)
+    return tree.score_rank.gather(1, nodes)
 
 
 @fused

@@ -37,6 +37,7 @@ class DraftTree:
     sibling_rank: torch.Tensor  # [B, N] long; order among the node's siblings (0 = tried first)
     dist_index: torch.Tensor  # [B, N] long; row of ``dists`` holding the node's own draft distribution, -1 if none
     dists: torch.Tensor | None = None  # [B, E, V] processed draft distributions of expanded nodes
+    score_rank: torch.Tensor | None = None  # [B, N] long; a drafted node's rank by path score (0 best; root -1)
 
     @property
     def num_nodes(self) -> int:

@@ -78,7 +78,8 @@ def assemble_tree(root: torch.Tensor, pool_tok: list[torch.Tensor], pool_sc: lis
 
     root [B]; pool_tok / pool_sc: per depth [B, k] (depth 1) then [B, k*k]; pool_parent: the pool
     parents of depths >= 2 (depth 1's parent is the root). Returns (tokens, parents, depths,
-    sibling_rank) [B, m + 1], node 0 the root. The kept set is ancestor-closed (a stable sort by a
+    sibling_rank, score_rank) [B, m + 1], node 0 the root (score_rank: a node's rank by score, 0 the best; the
+    root -1). The kept set is ancestor-closed (a stable sort by a
     score that never increases along a path), nodes stay in pool (topological) order."""
     tokens, scores = torch.cat(pool_tok, 1), torch.cat(pool_sc, 1)
     b, total = tokens.shape
@@ -88,7 +89,7 @@ def assemble_tree(root: torch.Tensor, pool_tok: list[torch.Tensor], pool_sc: lis
     idx = torch.arange(total, device=dev)
     depths = torch.where(idx < k, 1, 2 + (idx - k) // (k * k)).expand(b, total)
     keep = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :m]
-    keep = torch.sort(keep, dim=-1).values  # pool order is topological
+    keep, score_rank = torch.sort(keep, dim=-1)  # pool order is topological; each kept node's rank by score
     node_of = torch.zeros_like(tokens).scatter(1, keep, torch.arange(1, m + 1, device=dev).expand(b, m))
     kept_parent = torch.gather(parents, 1, keep)
     node_parent = torch.where(kept_parent < 0, 0, torch.gather(node_of, 1, kept_parent.clamp(min=0)))
@@ -96,7 +97,8 @@ def assemble_tree(root: torch.Tensor, pool_tok: list[torch.Tensor], pool_sc: lis
     earlier = torch.ones(m + 1, m + 1, dtype=torch.bool, device=dev).tril(diagonal=-1)
     rank = ((all_parents[:, :, None] == all_parents[:, None, :]) & earlier).sum(-1)
     return (torch.cat([root[:, None], torch.gather(tokens, 1, keep)], 1), all_parents,
-            torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), torch.gather(depths, 1, keep)], 1), rank)
+            torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), torch.gather(depths, 1, keep)], 1), rank,
+            torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), score_rank], 1))
 
 
 __all__ = ["log_top", "expand_frontier", "with_ancestors", "assemble_tree"]
