@@ -34,6 +34,7 @@ from torchspec.io import atomic_write_text  # noqa: E402
 from torchspec.runtime.calibration import Calibration  # noqa: E402
 from torchspec.runtime.controlled_drafting import decide_every_depth_calibrated  # noqa: E402
 from torchspec.runtime.cost_profile import graph_replay  # noqa: E402
+from torchspec.runtime.drafting import pool_steps  # noqa: E402
 
 TABLE_DEPTHS = 6  # the cost table's depths (a SmolLM2 round: ~0.1 ms a depth, ~1 ms a verify forward)
 
@@ -67,9 +68,9 @@ def check_args(args) -> tuple[list[int], list[int]]:
 
 
 def pool_sizes(topk: int, depth: int) -> list[int]:
-    """The nodes a dynamic tree's pool holds after each depth (``drafting.grow_dynamic_tree``): k at depth 1, then
-    the k * k children of its k-node frontier a depth (a chain: one a depth)."""
-    return [topk + topk * topk * d for d in range(depth)]
+    """The nodes a dynamic tree's pool holds after each of ``depth`` depths (``drafting.pool_steps``)."""
+    first, step = pool_steps(topk)
+    return [first + step * d for d in range(depth)]
 
 
 def random_round(gen: torch.Generator, batch: int, depth: int, topk: int, dev: torch.device) -> dict:

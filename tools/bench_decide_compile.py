@@ -44,12 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def pool_steps(topk: int) -> tuple[int, int]:
-    """(first, step) of a dynamic tree's pool (``drafting.grow_dynamic_tree``): k nodes at depth 1, then all k * k
-    children of the k-node frontier a depth; a chain (k = 1) one a depth."""
-    return topk, topk * topk
-
-
 def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, arch: int) -> dict:
     """Compile one variant for ``arch``; -> its compile-time arguments, seconds and sizes."""
     import triton
@@ -57,6 +51,7 @@ def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, 
     from triton.compiler import ASTSource
 
     from torchspec.runtime.decide_triton import _decide_kernel, kernel_variant
+    from torchspec.runtime.drafting import pool_steps
 
     meta = kernel_variant(batch, pool_steps(topk), topk, table_depths, calibrated)
     meta["EXACT"] = True  # what a GPU compiles (the interpreter's NumPy exp needs no compile)

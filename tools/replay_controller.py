@@ -44,7 +44,7 @@ from torchspec.io import atomic_write_text  # noqa: E402
 from torchspec.runtime.calibration import ALPHAS  # noqa: E402
 from torchspec.runtime.controller_policy import SCALE_ONE, rank_buckets  # noqa: E402
 from torchspec.runtime.cost_table import CostTable, cost_key  # noqa: E402
-from torchspec.runtime.drafting import SpecConfig  # noqa: E402
+from torchspec.runtime.drafting import SpecConfig, pool_steps  # noqa: E402
 
 PLAIN = (0, 0)
 
@@ -198,8 +198,8 @@ class DepthEvidence:
             if verified:
                 alpha, scales = cal.choice()  # a scale per rank bucket
                 top, at = pool_logp.double().topk(verified, dim=1)
-                k = me.topk  # the pool's layout (tree_select.assemble_tree): k nodes at depth 1, then k * k a depth
-                depth = torch.where(at < k, 1, 2 + (at - k) // (k * k)).tolist()
+                first, step = pool_steps(me.topk)  # the pool's layout: k nodes at depth 1, then k * k a depth
+                depth = torch.where(at < first, 1, 2 + (at - first) // step).tolist()
                 live = row_valid.tolist()
                 scale = scales.gather(0, rank_buckets(verified, top.device)).double() / SCALE_ONE  # [m] by rank
                 read = (torch.exp(top * alpha) * scale).tolist()

@@ -219,6 +219,12 @@ class TreePool:
                          dist_index=torch.full((b, m + 1), -1, dtype=torch.long, device=dev))
 
 
+def pool_steps(topk: int) -> tuple[int, int]:
+    """(first, step): the nodes ``grow_dynamic_tree``'s pool holds after depth 1 and adds each later depth -- k,
+    then all k * k children of its k-node frontier (a chain, k = 1: one a depth)."""
+    return topk, topk * topk
+
+
 def grow_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
                       params: SamplingParams | RowSampling, frontier_at_last: bool = False) -> Iterator[TreePool]:
     """The greedy / deterministic-candidate tree (a chain when spec.shape == 'chain'), yielded after each of its
