@@ -30,7 +30,7 @@ is one chunk's and one depth's whatever the round. The first version unrolled th
 at once: at batch 64 and 5 depths one variant took ~53 s to compile even at 64 columns (5 MB of PTX;
 ``triton.compile`` for sm_90 on a 2-core CPU; a real k=8 pool needs 512), an engine met dozens while it warmed
 its graphs, and a call on the H200 spent its 10 minutes compiling. Now a k=8 tree's table compiles 4 variants
-of 2.4-5.4 s, the chain's 8 of under a second (``tools/bench_decide_compile.py``). The price is a serial row
+of 2.6-6.8 s, the chain's 8 of about a second (``tools/bench_decide_compile.py``). The price is a serial row
 loop: at batch 64 a decision takes 75-217 us (1-5 depths, H200) against 46-135 us unrolled, on the bench's
 rounds of k nodes a depth (the real pool is k + k*k a depth: not yet timed).
 """
