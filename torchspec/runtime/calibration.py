@@ -31,10 +31,11 @@ import itertools
 
 import torch
 
-from torchspec.runtime.controller_policy import PROB_ONE, RANK_BUCKETS, SCALE_ONE, bucket_of, rank_buckets
+from torchspec.runtime.controller_policy import PROB_ONE, RANK_BUCKETS, SCALE_ONE, rank_buckets
 
 _SERIALS = itertools.count()  # a calibration's number: graphs that read it are keyed by it, never by id()
 ALPHAS = (1.0, 0.5, 0.25, 0.125)  # exponents of the path probabilities (powers of two: p^a's logp * a is exact)
+BUCKET_TABLE = 64  # ranks looked up in a table (every rank from 31 on is the last bucket)
 
 
 class Calibration:
@@ -43,8 +44,12 @@ class Calibration:
     ``expected[a] = decay * expected[a] + the verified nodes' sum of p^a``; the same split by bucket of the
     nodes' rank (``controller_policy.rank_bucket``: ``accepted_by_rank`` counts the accepted path's nodes by
     their rank, ``expected_by_rank[a]`` the verified nodes' p^a). ``choice()`` is the exponent whose expectation
-    is nearest and a scale per rank bucket (``choice``), each at most ``most``. Defaults: evidence halves in ~14 rounds; an untrained drafter that expected ~3 tokens and
-    got none is scaled to ~0.08 and probed again after ~50 rounds."""
+    is nearest and a scale per rank bucket, each at most ``most``. Defaults: evidence halves in ~14 rounds; an
+    untrained drafter that expected ~3 tokens and got none is scaled to ~0.08 and probed again after ~50 rounds.
+
+    The evidence is one float64 tensor (``state``) that a round updates in one multiply and one add: the
+    accepted tokens, those by rank bucket, then ``expected_block`` [A, R + 1] (by bucket, then all: the layout
+    of ``evidence()``); the named fields are views of it."""
 
     def __init__(self, device: torch.device, decay: float = 0.95, prior: float = 0.25, most: float = 4.0):
         if not (0 < decay < 1 and prior > 0 and most >= 1):
@@ -52,12 +57,16 @@ class Calibration:
                              f"prior > 0 and most >= 1.")
         self.decay, self.prior, self.most = decay, prior, most
         self.serial = next(_SERIALS)  # CUDA graphs capture these tensors' addresses: a new calibration, new graphs
+        a, r = len(ALPHAS), RANK_BUCKETS
         self.alphas = torch.tensor(ALPHAS, dtype=torch.float64, device=device)
         self.limits = torch.tensor([prior, most], dtype=torch.float64, device=device)  # read by decide_triton
-        self.accepted = torch.zeros((), dtype=torch.float64, device=device)
-        self.expected = torch.zeros(len(ALPHAS), dtype=torch.float64, device=device)
-        self.accepted_by_rank = torch.zeros(RANK_BUCKETS, dtype=torch.float64, device=device)
-        self.expected_by_rank = torch.zeros(len(ALPHAS), RANK_BUCKETS, dtype=torch.float64, device=device)
+        self.state = torch.zeros(1 + r + a * (r + 1), dtype=torch.float64, device=device)
+        self.accepted = self.state[0]
+        self.accepted_by_rank = self.state[1:1 + r]
+        self.expected_block = self.state[1 + r:].view(a, r + 1)  # contiguous: decide_triton reads it
+        self.expected = self.expected_block[:, r]
+        self.expected_by_rank = self.expected_block[:, :r]
+        self._bucket_table = rank_buckets(BUCKET_TABLE, device)  # a rank's bucket in one gather
         # this round's expectations until its verification: [len(ALPHAS), RANK_BUCKETS + 1], by bucket then all
         self.pending: torch.Tensor | None = None
 
@@ -96,13 +105,11 @@ class Calibration:
         it was."""
         assert self.pending is not None, "observe follows a controlled round's draft"
         on_path = (torch.arange(ranks.shape[1], device=ranks.device) < accepted[:, None]) & row_valid[:, None]
-        by_rank = self.accepted_by_rank.new_zeros(RANK_BUCKETS).scatter_add_(
-            0, bucket_of(ranks.clamp(min=0)).flatten(), on_path.flatten().double())
+        bucket = self._bucket_table[ranks.clamp(0, BUCKET_TABLE - 1)]
+        by_rank = self.state.new_zeros(RANK_BUCKETS).scatter_add_(0, bucket.flatten(), on_path.flatten().double())
         decay = torch.where(row_valid.any(), self.decay, 1.0).double()
-        self.accepted.mul_(decay).add_((accepted * row_valid).sum().double())
-        self.expected.mul_(decay).add_(self.pending[:, RANK_BUCKETS])
-        self.accepted_by_rank.mul_(decay).add_(by_rank)
-        self.expected_by_rank.mul_(decay).add_(self.pending[:, :RANK_BUCKETS])
+        # accepted: the live rows' accepted nodes, all of them (each row's a) and by rank; then the pending block
+        self.state.mul_(decay).add_(torch.cat([by_rank.sum(0, keepdim=True), by_rank, self.pending.flatten()]))
         self.pending = None
 
 

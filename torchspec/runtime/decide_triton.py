@@ -105,7 +105,7 @@ def _best_width(per_rank, rank_scale, live_units, drafted_ns, verify_ns, size, N
 @triton.jit
 def _decide_kernel(
     pool_ptr, front_ptr, edge_ptr, depth_ms_ptr, verify_ms_ptr, valid_ptr,
-    accepted_ptr, expected_ptr, accepted_rank_ptr, expected_rank_ptr, limits_ptr, alphas_ptr,
+    accepted_ptr, accepted_rank_ptr, expected_ptr, limits_ptr, alphas_ptr,
     go_ptr, width_ptr, ints_ptr, pending_ptr,
     B, P, F, T, NMAX, FIRST, STEP, VERIFIED, D,  # runtime: one compiled kernel serves every batch, depth and table
     A: tl.constexpr, R: tl.constexpr, CALIBRATED: tl.constexpr, EXACT: tl.constexpr,
@@ -126,11 +126,13 @@ def _decide_kernel(
     if CALIBRATED:  # Calibration.choice(): the exponent whose expectation is nearest, then each rank bucket's scale
         alphas = tl.load(alphas_ptr + a_idx, mask=a_idx < A, other=1.0)
         prior = tl.load(limits_ptr)
-        ratio = (tl.load(accepted_ptr) + prior) / (tl.load(expected_ptr + a_idx, mask=a_idx < A, other=0.0) + prior)
+        # expected_ptr: Calibration.expected_block [A, R + 1], each exponent's expectation by rank bucket, then all
+        total = tl.load(expected_ptr + a_idx * (R + 1) + R, mask=a_idx < A, other=0.0)
+        ratio = (tl.load(accepted_ptr) + prior) / (total + prior)
         off = tl.where(a_idx < A, tl.maximum(ratio, 1.0 / ratio), float("inf"))
         at = tl.min(tl.where(off == tl.min(off, axis=0), a_idx, BA), axis=0)  # the first minimum
         alpha = tl.sum(tl.where(a_idx == at, alphas, 0.0), axis=0)
-        expected_at = tl.load(expected_rank_ptr + at * R + r_idx, mask=r_idx < R, other=0.0)  # [BR]
+        expected_at = tl.load(expected_ptr + at * (R + 1) + r_idx, mask=r_idx < R, other=0.0)  # [BR]
         overall = tl.sum(tl.where(a_idx == at, ratio, 0.0), axis=0)  # a bucket without evidence: scaled as all
         by_rank = (tl.load(accepted_rank_ptr + r_idx, mask=r_idx < R, other=0.0) + prior * overall) / (expected_at + prior)
         scales = _rint(tl.minimum(by_rank, tl.load(limits_ptr + 1)) * _SCALE_ONE)  # [BR]
@@ -249,8 +251,8 @@ def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_lo
     cal = calibration
     _decide_kernel[(1,)](
         pool_logp.contiguous(), front_logp.contiguous(), edge_logp.contiguous(), depth_ms, verify_ms, row_valid,
-        *((cal.accepted, cal.expected, cal.accepted_by_rank, cal.expected_by_rank, cal.limits, cal.alphas)
-          if cal is not None else (pending,) * 6),
+        *((cal.accepted, cal.accepted_by_rank, cal.expected_block, cal.limits, cal.alphas)
+          if cal is not None else (pending,) * 5),
         go, width, ints, pending,
         b, p, f, t, n_max, first_step[0], first_step[1], verified, d,
         **kernel_variant(b, first_step, f, t, cal is not None),
