@@ -33,17 +33,40 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
+        self.paused = False  # ops inside a region that is one kernel on the GPU (``as_one_kernel``)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name not in VIEW_OPS:
+        if name not in VIEW_OPS and not self.paused:
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
 
+def as_one_kernel(fn, counters: list):
+    """``fn`` counted as one op (the Triton kernel that replaces its tensor operations on CUDA)."""
+    def wrapped(*args, **kwargs):
+        c = counters[-1] if counters else None
+        if c is None:
+            return fn(*args, **kwargs)
+        c.counts["one_kernel"] += 1
+        c.paused = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            c.paused = False
+    return wrapped
+
+
+_ACTIVE: list[OpCounter] = []  # the counter in use (as_one_kernel pauses it)
+
+
 def count(fn) -> tuple[int, collections.Counter]:
     with OpCounter() as c:
-        fn()
+        _ACTIVE.append(c)
+        try:
+            fn()
+        finally:
+            _ACTIVE.pop()
     return sum(c.counts.values()), c.counts
 
 
@@ -92,18 +115,23 @@ def main() -> None:
         rows.append({"step": name, "ops": total, "drafting_ops": drafting, "in_plain_steps": total / plain,
                      "top_ops": counts.most_common(6)})
     rows += controlled_rows(engine, inp, plain, bt, ctx, root, valid)
-    print(f"{'step':<28} {'ops':>6} {'drafting (controller: deciding)':>9} {'x plain':>8}")
+    print(f"{'step':<28} {'ops':>6} {'drafting (controller: deciding)':>9} {'x plain':>8} {'as on CUDA: extra':>18}")
     for r in rows:
         print(f"{r['step']:<28} {r['ops']:>6} {r.get('drafting_ops', r.get('decision_ops', '')):>9} "
-              f"{r['in_plain_steps']:8.2f}")
+              f"{r['in_plain_steps']:8.2f} {r.get('gpu_extra_ops', ''):>18}")
+    for r in rows:
+        if "gpu_extra_by_op" in r:
+            print(f"{r['step']}: extra ops as on CUDA {r['gpu_extra_by_op']}")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps({"target": args.target, "rows": rows}, indent=1))
 
 
 def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]:
     """The draft controller's ahead-mode rounds against the fixed tree of the same (depth, width): what deciding
-    on the GPU adds (the criterion at every depth, the next round's plan, the calibration's evidence), and its
-    plain round (a plain step that defers the drafter's entry)."""
+    adds (the criterion at every depth, the next round's plan, the calibration's evidence), as tensor ops (the
+    CPU's path) and as CUDA runs it (the decision one kernel: ``gpu_ops``), and its plain round (a plain step that
+    defers the drafter's entry)."""
+    from torchspec.runtime import controlled_drafting
     from torchspec.runtime.calibration import Calibration
     from torchspec.runtime.controlled_drafting import RoundCosts
     from torchspec.runtime.drafting import SpecConfig
@@ -121,9 +149,19 @@ def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]
         fixed, _ = count(lambda s=spec: speculate(engine.decoder, engine.runner, engine.caches, inp, s, greedy, None))
         ctl, counts = count(lambda s=spec, c=costs: speculate(engine.decoder, engine.runner, engine.caches, inp, s,
                                                               greedy, None, costs=c))
+        tensor_decide = controlled_drafting.decide_every_depth_calibrated
+        controlled_drafting.decide_every_depth_calibrated = as_one_kernel(tensor_decide, _ACTIVE)
+        try:
+            gpu, gpu_counts = count(lambda s=spec, c=costs: speculate(engine.decoder, engine.runner, engine.caches,
+                                                                      inp, s, greedy, None, costs=c))
+        finally:
+            controlled_drafting.decide_every_depth_calibrated = tensor_decide
         rows.append({"step": f"fixed tree d{depth} k8 n{width}", "ops": fixed, "in_plain_steps": fixed / plain})
         rows.append({"step": f"controller ({depth}, {width})", "ops": ctl, "in_plain_steps": ctl / plain,
-                     "decision_ops": ctl - fixed, "top_ops": counts.most_common(6)})
+                     "decision_ops": ctl - fixed, "gpu_ops": gpu, "gpu_extra_ops": gpu - fixed,
+                     "gpu_extra_by_op": dict((gpu_counts - count(lambda s=spec: speculate(
+                         engine.decoder, engine.runner, engine.caches, inp, s, greedy, None))[1]).most_common()),
+                     "top_ops": counts.most_common(6)})
     return rows
 
 

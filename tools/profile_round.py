@@ -11,6 +11,11 @@ Builds the controlled-acceptance pair of ``tools/bench_runtime_efficiency.py`` a
     catch_up   the drafter's step-0 forward over the D + 1 committed positions
     head       one depth's head inside ``draft``: the greedy chain's scoreless argmax, the tree's log-softmax + top-k
 
+``--spec controller`` adds the draft controller's ahead-mode round of the tree's own shape (planned depth
+``--depth``, width ``--num-nodes``; issue 14): ``controller.round`` against ``tree.round`` is what controlling
+costs a round, split into ``controller.draft`` (the tree drafted with every depth's frontier, and the next
+round's decision: one Triton kernel) and ``controller.observe`` (the calibration's update after verification).
+
 Each graph is replayed 50 times (median, CUDA events) and its eager run is profiled once for the
 kernel count and the top kernels by time (in the JSON). ``--timeline`` also traces one replay of each
 graph: the time its kernels run against the idle time between them, and the largest gaps. Every phase
@@ -162,6 +167,9 @@ def batch_phases(engine, args, b: int, params) -> dict:
                       block_table=bt, row_valid=valid)
     phases = {"plain": lambda: plain_step(engine.decoder, caches, bt, ctx, root, valid, params, None)}
     for shape in args.spec.split(","):
+        if shape == "controller":
+            phases.update(controller_phases(engine, args, inp, params))
+            continue
         spec = SpecConfig(shape=shape, depth=args.depth, topk=args.topk, num_nodes=args.num_nodes)
         tree = draft_round(runner, caches.drafter, inp, spec, params, None)
 
@@ -192,13 +200,42 @@ def batch_phases(engine, args, b: int, params) -> dict:
     return phases
 
 
+def controller_phases(engine, args, inp, params) -> dict:
+    """The controller's ahead-mode round of the tree's shape and its two added parts (module docstring); its
+    costs are synthetic (a depth 0.1 ms, verifying n nodes 1 + 0.01 n ms): the decision's work does not depend
+    on them."""
+    from torchspec.runtime.calibration import Calibration
+    from torchspec.runtime.controlled_drafting import RoundCosts, draft_ahead_tree
+    from torchspec.runtime.drafting import SpecConfig
+    from torchspec.runtime.steps import speculate
+
+    dev, b = inp.root.device, inp.root.shape[0]
+    spec = SpecConfig(shape="tree", depth=args.depth, topk=args.topk, num_nodes=args.num_nodes)
+    cal = Calibration(dev)
+    costs = RoundCosts(torch.full((args.depth,), 0.1, device=dev),
+                       1 + 0.01 * torch.arange(args.num_nodes + 1.0, device=dev), cal, plan=(args.depth, args.num_nodes))
+    draft_ahead_tree(engine.runner, engine.caches.drafter, inp, spec, costs)
+    pending = cal.pending.clone()
+    accepted = torch.full((b,), 2, dtype=torch.long, device=dev)
+    ranks = torch.arange(args.depth, device=dev).expand(b, args.depth).contiguous()
+
+    def observe():
+        cal.pending = pending
+        cal.observe(accepted, ranks, inp.row_valid)
+
+    return {"controller.round": lambda: speculate(engine.decoder, engine.runner, engine.caches, inp, spec, params,
+                                                  None, costs=costs),
+            "controller.draft": lambda: draft_ahead_tree(engine.runner, engine.caches.drafter, inp, spec, costs),
+            "controller.observe": observe}
+
+
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-8b")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
     p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--spec", default="chain,tree", help="chain and/or tree")
+    p.add_argument("--spec", default="chain,tree", help="chain, tree and/or controller")
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--num-nodes", type=int, default=16)
