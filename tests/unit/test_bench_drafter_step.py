@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.tool_loader import load_tool
 
@@ -33,7 +34,8 @@ def expected_flops(shape: dict, drafter: str, head: str, t: int, k: int = 7) -> 
     return 6 * t * (3 * h * h + k * n_step) + k * 3 * 2 * 2 * (t * (t + 1) // 2) * heads * d
 
 
-def test_tiny_rows_flops_merge_and_table(bench, tmp_path, capsys):
+def test_tiny_rows_flops_merge_and_table(bench, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)  # auto: fp32 on any CPU
     out = tmp_path / "rows.json"
     common = ["--shape", "tiny", "--seq", "32", "--warmup", "1", "--iters", "1", "--out", str(out)]
     rows = bench.main([*common, "--drafter", "eagle3", "eagle4", "--head", "full", "efficient"])

@@ -233,7 +233,10 @@ def test_fp32_path_is_plain_adamw_on_the_module():
 
 def test_precision_and_optimizer_choices(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)  # whatever this CPU has
     assert resolve_precision("auto", cpu) is None and resolve_precision("fp32", cpu) is None
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)  # AMX: bf16 is the faster
+    assert resolve_precision("auto", cpu) == torch.bfloat16 and resolve_precision("fp32", cpu) is None
     assert resolve_precision("fp32", cuda) is None
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     assert resolve_precision("auto", cuda) == torch.bfloat16 == resolve_precision("bf16", cuda)
