@@ -42,12 +42,15 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def as_one_kernel(fn, counters: list):
-    """``fn`` counted as one op (the Triton kernel that replaces its tensor operations on CUDA)."""
+_ACTIVE: list[OpCounter] = []  # the counter in use (as_one_kernel pauses it)
+
+
+def as_one_kernel(fn):
+    """``fn`` counted as one op by the counter in use (the Triton kernel that replaces its tensor ops on CUDA)."""
     def wrapped(*args, **kwargs):
-        c = counters[-1] if counters else None
-        if c is None:
+        if not _ACTIVE:
             return fn(*args, **kwargs)
+        c = _ACTIVE[-1]
         c.counts["one_kernel"] += 1
         c.paused = True
         try:
@@ -55,9 +58,6 @@ def as_one_kernel(fn, counters: list):
         finally:
             c.paused = False
     return wrapped
-
-
-_ACTIVE: list[OpCounter] = []  # the counter in use (as_one_kernel pauses it)
 
 
 def count(fn) -> tuple[int, collections.Counter]:
@@ -146,11 +146,12 @@ def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]
         spec = SpecConfig(shape="tree", depth=depth, topk=8, num_nodes=width)
         costs = RoundCosts(torch.full((5,), 0.1), 1 + 0.01 * torch.arange(33.0), Calibration(torch.device("cpu")),
                            plan=(depth, width))
-        fixed, _ = count(lambda s=spec: speculate(engine.decoder, engine.runner, engine.caches, inp, s, greedy, None))
+        fixed, fixed_counts = count(lambda s=spec: speculate(engine.decoder, engine.runner, engine.caches, inp, s,
+                                                             greedy, None))
         ctl, counts = count(lambda s=spec, c=costs: speculate(engine.decoder, engine.runner, engine.caches, inp, s,
                                                               greedy, None, costs=c))
         tensor_decide = controlled_drafting.decide_every_depth_calibrated
-        controlled_drafting.decide_every_depth_calibrated = as_one_kernel(tensor_decide, _ACTIVE)
+        controlled_drafting.decide_every_depth_calibrated = as_one_kernel(tensor_decide)
         try:
             gpu, gpu_counts = count(lambda s=spec, c=costs: speculate(engine.decoder, engine.runner, engine.caches,
                                                                       inp, s, greedy, None, costs=c))
@@ -159,8 +160,7 @@ def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]
         rows.append({"step": f"fixed tree d{depth} k8 n{width}", "ops": fixed, "in_plain_steps": fixed / plain})
         rows.append({"step": f"controller ({depth}, {width})", "ops": ctl, "in_plain_steps": ctl / plain,
                      "decision_ops": ctl - fixed, "gpu_ops": gpu, "gpu_extra_ops": gpu - fixed,
-                     "gpu_extra_by_op": dict((gpu_counts - count(lambda s=spec: speculate(
-                         engine.decoder, engine.runner, engine.caches, inp, s, greedy, None))[1]).most_common()),
+                     "gpu_extra_by_op": dict((gpu_counts - fixed_counts).most_common()),
                      "top_ops": counts.most_common(6)})
     return rows
 
