@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", default="1,3,5", help="depths a round drafted (comma-separated, each < 6)")
     p.add_argument("--topk", type=int, default=8, help="the dynamic tree's width (1: a chain)")
     p.add_argument("--verified", type=int, default=8, help="the width the round verified (its evidence)")
+    p.add_argument("--chunk-nodes", default=None,
+                   help="pool nodes a program of the fused kernel's grid sorts at most (comma-separated values to "
+                        "compare; default decide_triton.CHUNK_NODES)")
     p.add_argument("--sets", type=int, default=8, help="random rounds the replays rotate among")
     p.add_argument("--replays", type=int, default=200, help="graph replays a timing")
     p.add_argument("--repeats", type=int, default=5, help="timings a case (the median is reported)")
@@ -147,6 +150,13 @@ def bench(args) -> dict:
     batches, depths = check_args(args)
     dev, gen = torch.device(args.device), torch.Generator().manual_seed(args.seed)
     fused = dev.type == "cuda"
+    chunks = [None]  # the fused kernel's chunk sizes to compare (none on the CPU)
+    if fused:
+        from torchspec.runtime import decide_triton
+        default_chunk = decide_triton.CHUNK_NODES
+        chunks = csv_values("--chunk-nodes", args.chunk_nodes, int) if args.chunk_nodes else [default_chunk]
+        if min(chunks) < 1:
+            raise ValueError(f"--chunk-nodes {args.chunk_nodes}: each at least 1.")
     rows = []
     out = {"device": torch.cuda.get_device_name(dev) if fused else "cpu",
            "timing": "cuda-graph replays, device events" if fused else "eager, host clock", "args": vars(args),
@@ -155,25 +165,32 @@ def bench(args) -> dict:
     for b in batches:
         for d in depths:
             sets = [random_round(gen, b, d, args.topk, dev) for _ in range(args.sets)]
-            if fused:  # the same decisions, bit for bit, on every set
-                for r in sets:
-                    want = outputs(decide_tensor(r, args.verified), r["cal"])
-                    got = outputs(decide_fused(r, args.verified), r["cal"])
-                    if want != got:
-                        raise AssertionError(f"batch {b} depth {d}: fused {got} != tensor {want}")
             tensor_us = time_us(decide_tensor, sets, args)
-            fused_us = time_us(decide_fused, sets, args) if fused else None
-            rows.append({"batch": b, "depths": d, "topk": args.topk, "tensor_us": tensor_us, "fused_us": fused_us,
-                         "saved_us": None if fused_us is None else tensor_us - fused_us})
-            print(format_row(rows[-1]), flush=True)
-            atomic_write_text(args.out, json.dumps(out, indent=1))  # every row as it comes: a cut-off call keeps them
+            for chunk_nodes in chunks:
+                fused_us = None
+                if fused:
+                    decide_triton.CHUNK_NODES = chunk_nodes
+                    for r in sets:  # the same decisions, bit for bit, on every set
+                        want = outputs(decide_tensor(r, args.verified), r["cal"])
+                        got = outputs(decide_fused(r, args.verified), r["cal"])
+                        if want != got:
+                            raise AssertionError(f"batch {b} depth {d}: fused {got} != tensor {want}")
+                    fused_us = time_us(decide_fused, sets, args)
+                rows.append({"batch": b, "depths": d, "topk": args.topk, "chunk_nodes": chunk_nodes,
+                             "tensor_us": tensor_us, "fused_us": fused_us,
+                             "saved_us": None if fused_us is None else tensor_us - fused_us})
+                print(format_row(rows[-1]), flush=True)
+                atomic_write_text(args.out, json.dumps(out, indent=1))  # every row as it comes: a cut-off keeps them
+    if fused:
+        decide_triton.CHUNK_NODES = default_chunk
     return out
 
 
 def format_row(r: dict) -> str:
     fused = "       -" if r["fused_us"] is None else f"{r['fused_us']:8.1f}"
     saved = "" if r["saved_us"] is None else f"  saved {r['saved_us']:7.1f} us"
-    return f"batch {r['batch']:>3}  depths {r['depths']}  k={r['topk']}  tensor {r['tensor_us']:8.1f} us  fused {fused} us{saved}"
+    chunk = "" if r["chunk_nodes"] is None else f"  chunk {r['chunk_nodes']:>4}"
+    return f"batch {r['batch']:>3}  depths {r['depths']}  k={r['topk']}{chunk}  tensor {r['tensor_us']:8.1f} us  fused {fused} us{saved}"
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,6 +1,6 @@
 """What compiling the draft controller's decision kernel costs: seconds and PTX size per variant, no GPU needed.
 
-An engine compiles ``decide_triton._decide_kernel`` once per variant (``decide_triton.kernel_variant``: row
+An engine compiles ``decide_triton``'s two kernels (``KERNELS``) once per variant (``decide_triton.kernel_variant``: row
 chunk, calibrated or not, column and depth blocks of the cost table) while it warms its CUDA graphs, so a
 variant that takes a minute to compile stalls the first rounds of every concurrency level. This compiles each
 variant of a table ahead of time for a GPU architecture (``triton.compile`` with an explicit target: Triton's
@@ -30,7 +30,7 @@ from torchspec.cli import user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
 
 POINTERS = {"valid_ptr": "*i1", "go_ptr": "*i1", "width_ptr": "*i64", "ints_ptr": "*i64", "pool_ptr": "*fp32",
-            "front_ptr": "*fp32", "edge_ptr": "*fp32"}  # every other pointer is float64
+            "front_ptr": "*fp32", "edge_ptr": "*fp32", "sums_ptr": "*i64"}  # every other pointer is float64
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,21 +50,24 @@ def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from torchspec.runtime.decide_triton import _decide_kernel, kernel_variant
+    from torchspec.runtime.decide_triton import KERNELS, kernel_variant
     from torchspec.runtime.drafting import pool_steps
 
     meta = kernel_variant(batch, pool_steps(topk), topk, table_depths, calibrated)
     meta["EXACT"] = True  # what a GPU compiles (the interpreter's NumPy exp needs no compile)
     num_warps = meta.pop("num_warps")
-    names = _decide_kernel.arg_names
-    signature = {n: "constexpr" if n in meta else POINTERS.get(n, "*fp64") if n.endswith("_ptr") else "i32"
-                 for n in names}
-    source = ASTSource(fn=_decide_kernel, signature=signature, constexprs={(names.index(k),): v for k, v in meta.items()})
-    start = time.perf_counter()
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-    seconds = time.perf_counter() - start
+    seconds, ptx, cubin = 0.0, 0, 0
+    for kernel in KERNELS.values():  # both passes: the rank sums' grid and the plan's one program
+        names = kernel.arg_names
+        signature = {n: "constexpr" if n in meta else POINTERS.get(n, "*fp64") if n.endswith("_ptr") else "i32"
+                     for n in names}
+        source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in meta.items()})
+        start = time.perf_counter()
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+        seconds += time.perf_counter() - start
+        ptx, cubin = ptx + len(compiled.asm["ptx"]), cubin + len(compiled.asm["cubin"])
     return {"batch": batch, "calibrated": calibrated, **{k: meta[k] for k in ("RB", "BG", "BT")},
-            "seconds": round(seconds, 2), "ptx_bytes": len(compiled.asm["ptx"]), "cubin_bytes": len(compiled.asm["cubin"])}
+            "seconds": round(seconds, 2), "ptx_bytes": ptx, "cubin_bytes": cubin}
 
 
 def bench(args) -> dict:

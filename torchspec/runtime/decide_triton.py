@@ -1,38 +1,41 @@
-"""The draft controller's decision after a round, in one Triton kernel (ahead mode, on the GPU).
+"""The draft controller's decision after a round, in two Triton launches (ahead mode, on the GPU).
 
 ``controller_policy.decide_every_depth`` evaluates the criterion after each of a round's D drafted depths and
 plans the next round in ~60 tensor operations (~110 counted on the tiny pair, ``tools/count_round_ops.py``):
 inside a CUDA graph each is a launch of a few microseconds, so at SmolLM2's size deciding cost about as much
-GPU time as a draft depth (on an H200, 190-236 us a decision against 7-35 us fused at batch 1-8,
-``tools/bench_controller_decide.py``). ``decide_every_depth_fused`` does it in one program: the calibration's
-choice (``Calibration.choice``: the exponent whose decayed expectation is nearest the accepted tokens, and
-the remaining scale of each rank bucket), every drafted node's probability in fixed point (its path log-probability times that
-exponent), each depth's pool (and its predicted children: frontier path plus best edge) sorted per row and
-summed over the live rows and weighted by its rank's scale, the expected tokens of every width, their rates
-against the costs, the go flags, the chosen widths, the next round's (depth, width), and the calibration's
-evidence (``Calibration.evidence``: the verified nodes' expectation under every exponent, by rank bucket).
+GPU time as a draft depth. ``decide_every_depth_fused`` does it in two kernels:
+
+- ``_rank_sums_kernel``, a grid of (row chunks) x (2 D + 1) programs: each sorts its rows' path
+  probabilities in fixed point (path log-probability times the calibration's exponent) for one job -- depth
+  t's pool, depth t's pool with its predicted children (frontier path plus best edge), or the calibration's
+  evidence (the verified best under every exponent, by rank bucket) -- and adds them, rank by rank, into one
+  zeroed int64 buffer;
+- ``_plan_kernel``, one program: from those sums, weighted by each rank bucket's scale
+  (``Calibration.choice``), the expected tokens of every width, their rates against the costs, the go
+  flags, the chosen widths, the next round's (depth, width), and the evidence as ``Calibration.evidence``.
+
+The sorts are the work (a k=8 tree's pool is 264 nodes, 512 columns): the first version ran them in a single
+program, one row chunk and one depth after another -- 62 us a decision at batch 1 and 660 us at batch 8 on an
+H200 (``tools/profile_round.py --spec controller``). Spread over the grid they run side by side.
 
 **The same decisions bit for bit.** Every step is the tensor version's arithmetic in the same types: float64
 ``exp`` (libdevice's, which CUDA's own ``exp`` is), ``floor`` to int64 fixed point, costs rounded to integer
-nanoseconds half to even (``torch.round``), exact int64 sums in any order, one float64 division a rate, and
-the first maximum or minimum on ties; the exponents are powers of two, so scaling a log-probability is exact
-in any order. ``tests/gpu/test_decide_triton.py`` checks it against the tensor version and the
-plain-Python reference on random rounds and on the edge cases (dead rows, -inf nodes, tied rates, capped
-depths); under Triton's interpreter (CPU) the ``exp`` is NumPy's, which may differ by one float64 ulp.
+nanoseconds half to even (``torch.round``), exact int64 sums in any order (so the atomic adds of the grid
+give the same sums whichever program lands first), one float64 division a rate, and the first maximum or
+minimum on ties; the exponents are powers of two, so scaling a log-probability is exact in any order.
+``tests/gpu/test_decide_triton.py`` checks it against the tensor version and the plain-Python reference on
+random rounds and on the edge cases (dead rows, -inf nodes, tied rates, capped depths); under Triton's
+interpreter (CPU) the ``exp`` is NumPy's, which may differ by one float64 ulp.
 
 Shapes are static per graph: the pool's per-depth sizes must grow by the same step (the dynamic tree holds
 ``k`` nodes at depth 1 and adds all ``k * k`` children of its frontier a depth, the chain one node), which the
 wrapper checks; anything else goes to the tensor version.
 
-**Compiled once a table, in seconds.** The batch and the drafted depths are runtime values: rows go through
-a chunk at a time (at most ``ROW_CHUNK`` rows and ``CHUNK_NODES`` nodes) and depths one a loop step, so the code
-is one chunk's and one depth's whatever the round. The first version unrolled the depths and sorted every row
-at once: at batch 64 and 5 depths one variant took ~53 s to compile even at 64 columns (5 MB of PTX;
-``triton.compile`` for sm_90 on a 2-core CPU; a real k=8 pool needs 512), an engine met dozens while it warmed
-its graphs, and a call on the H200 spent its 10 minutes compiling. Now a k=8 tree's table compiles 4 variants
-of 2.6-6.8 s, the chain's 8 of about a second (``tools/bench_decide_compile.py``). The price is a serial row
-loop: at batch 64 a decision takes 75-217 us (1-5 depths, H200) against 46-135 us unrolled, on the bench's
-rounds of k nodes a depth (the real pool is k + k*k a depth: not yet timed).
+**Compiled once a table, in seconds.** The batch and the drafted depths are runtime values (the grid's size
+and loop bounds), so the code is one row chunk's (at most ``ROW_CHUNK`` rows and ``CHUNK_NODES`` nodes) and
+one job's whatever the round. A first version unrolled the depths and sorted every row at once: at batch 64
+and 5 depths one variant took ~53 s to compile (5 MB of PTX) and an engine met dozens while it warmed its
+graphs. ``tools/bench_decide_compile.py`` compiles every variant of a table ahead of time and reports it.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ from torchspec.runtime.calibration import ALPHAS, Calibration
 from torchspec.runtime.controller_policy import NS_PER_MS, PROB_ONE, RANK_BUCKETS, SCALE_ONE, RoundPlan
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ROW_CHUNK = 8  # rows a step of the kernel's row loop (its code is one chunk's: compiled in seconds at any batch)
-CHUNK_NODES = 1024  # at most this many pool nodes a chunk: a k=8 tree's 6-depth pool (512 columns) goes 2 rows a step
+ROW_CHUNK = 8  # rows a program at most (the code is one chunk's: compiled in seconds at any batch)
+CHUNK_NODES = 512  # at most this many pool nodes a chunk: a k=8 tree's 6-depth pool (512 columns) goes a row a program
 _PROB_ONE, _SCALE_ONE, _NS_PER_MS = tl.constexpr(PROB_ONE), tl.constexpr(SCALE_ONE), tl.constexpr(NS_PER_MS)  # in kernels
 
 
@@ -103,57 +106,99 @@ def _best_width(per_rank, rank_scale, live_units, drafted_ns, verify_ns, size, N
 
 
 @triton.jit
-def _decide_kernel(
-    pool_ptr, front_ptr, edge_ptr, depth_ms_ptr, verify_ms_ptr, valid_ptr,
-    accepted_ptr, accepted_rank_ptr, expected_ptr, limits_ptr, alphas_ptr,
-    go_ptr, width_ptr, ints_ptr, pending_ptr,
-    B, P, F, T, NMAX, FIRST, STEP, VERIFIED, D,  # runtime: one compiled kernel serves every batch, depth and table
+def _choice(accepted_ptr, accepted_rank_ptr, expected_ptr, limits_ptr, alphas_ptr,
+            A: tl.constexpr, R: tl.constexpr, BA: tl.constexpr, BR: tl.constexpr):
+    """``Calibration.choice()`` -> (the exponent whose decayed expectation is nearest the accepted tokens, each
+    rank bucket's scale [BR] in SCALE_ONE units)."""
+    a_idx = tl.arange(0, BA)
+    r_idx = tl.arange(0, BR)
+    alphas = tl.load(alphas_ptr + a_idx, mask=a_idx < A, other=1.0)
+    prior = tl.load(limits_ptr)
+    # expected_ptr: Calibration.expected_block [A, R + 1], each exponent's expectation by rank bucket, then all
+    total = tl.load(expected_ptr + a_idx * (R + 1) + R, mask=a_idx < A, other=0.0)
+    ratio = (tl.load(accepted_ptr) + prior) / (total + prior)
+    off = tl.where(a_idx < A, tl.maximum(ratio, 1.0 / ratio), float("inf"))
+    at = tl.min(tl.where(off == tl.min(off, axis=0), a_idx, BA), axis=0)  # the first minimum
+    alpha = tl.sum(tl.where(a_idx == at, alphas, 0.0), axis=0)
+    expected_at = tl.load(expected_ptr + at * (R + 1) + r_idx, mask=r_idx < R, other=0.0)  # [BR]
+    overall = tl.sum(tl.where(a_idx == at, ratio, 0.0), axis=0)  # a bucket without evidence: scaled as all
+    by_rank = (tl.load(accepted_rank_ptr + r_idx, mask=r_idx < R, other=0.0) + prior * overall) / (expected_at + prior)
+    return alpha, _rint(tl.minimum(by_rank, tl.load(limits_ptr + 1)) * _SCALE_ONE)
+
+
+@triton.jit
+def _rank_sums_kernel(
+    pool_ptr, front_ptr, edge_ptr, valid_ptr,
+    accepted_ptr, accepted_rank_ptr, expected_ptr, limits_ptr, alphas_ptr, sums_ptr,
+    B, P, F, FIRST, STEP, VERIFIED, D,  # runtime: one compiled kernel serves every batch, depth and table
     A: tl.constexpr, R: tl.constexpr, CALIBRATED: tl.constexpr, EXACT: tl.constexpr,
     RB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr, BR: tl.constexpr,
 ):
-    # Rows go RB at a time (a runtime loop: the code is one chunk's, whatever the batch), depths one at a time.
-    chunk = tl.arange(0, RB)
-    n = tl.arange(0, BG)  # a pool column, and a width
+    """Pass 1, program (c, j): rows c*RB.. of the batch, each sorted, summed by rank into ``sums`` (int64, zeroed;
+    exact in any order). j < D: depth j's pool; D <= j < 2D: depth j-D's pool and its predicted children;
+    j == 2D (calibrated only): the calibration's evidence, the verified best under every exponent by bucket."""
+    r2 = (tl.program_id(0) * RB + tl.arange(0, RB))[:, None]
+    n = tl.arange(0, BG)  # a pool column, and a rank
     c2 = n[None, :]
-    a_idx = tl.arange(0, BA)
-    r_idx = tl.arange(0, BR)
-    at_bucket = _bucket_of(n, R)[:, None] == r_idx[None, :]  # [BG, BR] rank n's bucket
+    j = tl.program_id(1)
+    live = tl.load(valid_ptr + r2, mask=r2 < B, other=0) != 0
+    raw = tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf")).to(tl.float64)
+    if j < 2 * D:
+        if CALIBRATED:
+            alpha, _scales = _choice(accepted_ptr, accepted_rank_ptr, expected_ptr, limits_ptr, alphas_ptr, A, R, BA, BR)
+        else:
+            alpha = 1.0
+        t = j % D
+        child_at = c2 - P
+        at_child = (j >= D) & (r2 < B) & (child_at >= 0) & (child_at < F)  # each frontier path + its best edge
+        front = tl.load(front_ptr + t * B * F + r2 * F + child_at, mask=at_child, other=float("-inf"))
+        edge = tl.load(edge_ptr + t * B * F + r2 * F + child_at, mask=at_child, other=0.0)
+        logp = tl.where(c2 < P, raw, front.to(tl.float64) + edge.to(tl.float64)) * alpha  # as the calibration reads it
+        ranked = _ranked_units(logp, live & ((c2 < FIRST + STEP * t) | at_child), EXACT)
+        tl.atomic_add(sums_ptr + j * BG + n, ranked, sem="relaxed")
+    else:
+        a_idx = tl.arange(0, BA)
+        r_idx = tl.arange(0, BR)
+        at_bucket = _bucket_of(n, R)[:, None] == r_idx[None, :]  # [BG, BR] rank n's bucket
+        ranked_raw = tl.sort(raw, dim=1, descending=True)
+        evidence = tl.zeros([BA, BR], tl.int64)
+        for a in tl.static_range(A):  # Calibration.evidence(): under every exponent, by rank bucket
+            units = tl.floor(_exp64(ranked_raw * tl.load(alphas_ptr + a), EXACT) * _PROB_ONE).to(tl.int64)
+            per_rank = tl.sum(tl.where(live & (c2 < VERIFIED), units, 0), axis=0)  # [BG]
+            part = tl.sum(tl.where(at_bucket, per_rank[:, None], 0), axis=0)  # [BR]
+            evidence += tl.where(a_idx[:, None] == a, part[None, :], 0)
+        tl.atomic_add(sums_ptr + 2 * D * BG + a_idx[:, None] * BR + r_idx[None, :], evidence, sem="relaxed")
+
+
+@triton.jit
+def _plan_kernel(
+    valid_ptr, depth_ms_ptr, verify_ms_ptr, accepted_ptr, accepted_rank_ptr, expected_ptr, limits_ptr, alphas_ptr,
+    sums_ptr, go_ptr, width_ptr, ints_ptr, pending_ptr,
+    B, F, T, NMAX, FIRST, STEP, VERIFIED, D,
+    A: tl.constexpr, R: tl.constexpr, CALIBRATED: tl.constexpr, EXACT: tl.constexpr,
+    RB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr, BR: tl.constexpr,
+):
+    """Pass 2, one program: from the batch's rank sums, every depth's rates, go flag and width, the next
+    round's plan, and the calibration's pending evidence."""
+    n = tl.arange(0, BG)  # a rank, and a width
+    chunk = tl.arange(0, RB)
     live_units = tl.zeros([], tl.int64)
     for r0 in range(0, B, RB):  # every live row emits the target's token
         rows = r0 + chunk
         live_units += tl.sum((tl.load(valid_ptr + rows, mask=rows < B, other=0) != 0).to(tl.int64), axis=0)
     live_units = live_units * _PROB_ONE
-    if CALIBRATED:  # Calibration.choice(): the exponent whose expectation is nearest, then each rank bucket's scale
-        alphas = tl.load(alphas_ptr + a_idx, mask=a_idx < A, other=1.0)
-        prior = tl.load(limits_ptr)
-        # expected_ptr: Calibration.expected_block [A, R + 1], each exponent's expectation by rank bucket, then all
-        total = tl.load(expected_ptr + a_idx * (R + 1) + R, mask=a_idx < A, other=0.0)
-        ratio = (tl.load(accepted_ptr) + prior) / (total + prior)
-        off = tl.where(a_idx < A, tl.maximum(ratio, 1.0 / ratio), float("inf"))
-        at = tl.min(tl.where(off == tl.min(off, axis=0), a_idx, BA), axis=0)  # the first minimum
-        alpha = tl.sum(tl.where(a_idx == at, alphas, 0.0), axis=0)
-        expected_at = tl.load(expected_ptr + at * (R + 1) + r_idx, mask=r_idx < R, other=0.0)  # [BR]
-        overall = tl.sum(tl.where(a_idx == at, ratio, 0.0), axis=0)  # a bucket without evidence: scaled as all
-        by_rank = (tl.load(accepted_rank_ptr + r_idx, mask=r_idx < R, other=0.0) + prior * overall) / (expected_at + prior)
-        scales = _rint(tl.minimum(by_rank, tl.load(limits_ptr + 1)) * _SCALE_ONE)  # [BR]
-        rank_scale = tl.sum(tl.where(at_bucket, scales[None, :], 0), axis=1)  # [BG]
-        evidence = tl.zeros([BA, BR], tl.int64)  # Calibration.evidence(): the verified best of each row ...
-        for r0 in range(0, B, RB):
-            r2 = (r0 + chunk)[:, None]
-            live = tl.load(valid_ptr + r2, mask=r2 < B, other=0) != 0
-            ranked_raw = tl.sort(tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf"))
-                                 .to(tl.float64), dim=1, descending=True)
-            for a in tl.static_range(A):  # ... under every exponent, by rank bucket
-                units = tl.floor(_exp64(ranked_raw * tl.load(alphas_ptr + a), EXACT) * _PROB_ONE).to(tl.int64)
-                per_rank = tl.sum(tl.where(live & (c2 < VERIFIED), units, 0), axis=0)  # [BG]
-                part = tl.sum(tl.where(at_bucket, per_rank[:, None], 0), axis=0)  # [BR]
-                evidence += tl.where(a_idx[:, None] == a, part[None, :], 0)
+    if CALIBRATED:
+        a_idx = tl.arange(0, BA)
+        r_idx = tl.arange(0, BR)
+        _alpha, scales = _choice(accepted_ptr, accepted_rank_ptr, expected_ptr, limits_ptr, alphas_ptr, A, R, BA, BR)
+        rank_scale = tl.sum(tl.where(_bucket_of(n, R)[:, None] == r_idx[None, :], scales[None, :], 0), axis=1)
         # pending [A, R + 1]: by bucket, then the total (exact integer sums, as Calibration.evidence)
-        ev = evidence.to(tl.float64) / _PROB_ONE
-        tl.store(pending_ptr + a_idx[:, None] * (R + 1) + r_idx[None, :], ev, mask=(a_idx[:, None] < A) & (r_idx[None, :] < R))
-        tl.store(pending_ptr + a_idx * (R + 1) + R, tl.sum(evidence, axis=1).to(tl.float64) / _PROB_ONE, mask=a_idx < A)
+        evidence = tl.load(sums_ptr + 2 * D * BG + a_idx[:, None] * BR + r_idx[None, :])
+        tl.store(pending_ptr + a_idx[:, None] * (R + 1) + r_idx[None, :], evidence.to(tl.float64) / _PROB_ONE,
+                 mask=(a_idx[:, None] < A) & (r_idx[None, :] < R))
+        tl.store(pending_ptr + a_idx * (R + 1) + R, tl.sum(evidence, axis=1).to(tl.float64) / _PROB_ONE,
+                 mask=a_idx < A)
     else:
-        alpha = 1.0
         rank_scale = tl.full([BG], _SCALE_ONE, tl.int64)
     t_idx = tl.arange(0, BT)
     depth_ns = _rint(tl.load(depth_ms_ptr + t_idx, mask=t_idx < T, other=0.0).to(tl.float64) * _NS_PER_MS)
@@ -167,20 +212,8 @@ def _decide_kernel(
     unscaled = tl.zeros([BG], tl.int64)
     for t in range(D):
         size = FIRST + STEP * t
-        current = tl.zeros([BG], tl.int64)  # each rank's node summed over the rows: the pool of depths 0..t ...
-        grown = tl.zeros([BG], tl.int64)  # ... and with each frontier node's predicted child (path + best edge)
-        for r0 in range(0, B, RB):
-            r2 = (r0 + chunk)[:, None]
-            live = tl.load(valid_ptr + r2, mask=r2 < B, other=0) != 0
-            logp = tl.load(pool_ptr + r2 * P + c2, mask=(r2 < B) & (c2 < P), other=float("-inf")).to(tl.float64)
-            logp = logp * alpha  # every path log-probability as the calibration reads it
-            child_at = c2 - P
-            at_child = (r2 < B) & (child_at >= 0) & (child_at < F)
-            front = tl.load(front_ptr + t * B * F + r2 * F + child_at, mask=at_child, other=float("-inf"))
-            edge = tl.load(edge_ptr + t * B * F + r2 * F + child_at, mask=at_child, other=0.0)
-            child = (front.to(tl.float64) + edge.to(tl.float64)) * alpha
-            current += _ranked_units(logp, live & (c2 < size), EXACT)
-            grown += _ranked_units(tl.where(c2 < P, logp, child), live & ((c2 < size) | ((child_at >= 0) & (child_at < F))), EXACT)
+        current = tl.load(sums_ptr + t * BG + n)  # each rank's node summed over the rows: the pool of depths 0..t
+        grown = tl.load(sums_ptr + (D + t) * BG + n)  # ... and with each frontier node's predicted child
         drafted_ns = tl.sum(tl.where(t_idx <= t, depth_ns, 0), axis=0)  # depths 0..t
         rate, width, unscaled = _best_width(current, rank_scale, live_units, drafted_ns, verify_ns, size, NMAX, n)
         deeper_ns = tl.sum(tl.where(t_idx <= t + 1, depth_ns, 0), axis=0)  # depths 0..t+1 (0 beyond the table)
@@ -200,6 +233,9 @@ def _decide_kernel(
     tl.store(ints_ptr + 2, tl.sum(tl.where(n == VERIFIED, unscaled, 0), axis=0))  # the last depth's; width 0: nothing
 
 
+KERNELS = {"rank_sums": _rank_sums_kernel, "plan": _plan_kernel}  # what a variant compiles (bench_decide_compile)
+
+
 def fused_sizes(sizes: list[int]) -> tuple[int, int] | None:
     """(first, step) when the per-depth pool sizes grow by one step (the dynamic tree, the chain), else None."""
     step = sizes[1] - sizes[0] if len(sizes) > 1 else 1
@@ -210,7 +246,7 @@ def fused_sizes(sizes: list[int]) -> tuple[int, int] | None:
 
 def kernel_variant(batch: int, first_step: tuple[int, int], frontier: int, table_depths: int,
                    calibrated: bool) -> dict:
-    """The kernel's compile-time arguments for a round (what a compiled variant is keyed by): the row chunk (the
+    """The kernels' compile-time arguments for a round (what a compiled variant is keyed by): the row chunk (the
     batch's power of two, at most ``ROW_CHUNK`` rows and ``CHUNK_NODES`` nodes) and blocks wide enough for the
     table's deepest pool and its children (widths past a pool's size are never chosen, so the table's verify
     widths need none), the table's depths (at least 8) and the exponents -- one variant per row chunk and
@@ -227,7 +263,7 @@ def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_lo
                              edge_logp: torch.Tensor, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
                              row_valid: torch.Tensor, calibration: Calibration | None,
                              verified: int) -> tuple[RoundPlan, torch.Tensor | None]:
-    """In one launch: with ``alpha, scale = calibration.choice()``, ``decide_every_depth(pool_logp.double() * alpha,
+    """In two launches (module docstring): with ``alpha, scale = calibration.choice()``, ``decide_every_depth(pool_logp.double() * alpha,
     sizes, (front_logp.double() + edge_logp.double()) * alpha, depth_ms, verify_ms, row_valid, scale, verified)``
     and ``calibration.evidence(pool_logp, verified, row_valid)`` -> (the RoundPlan, that evidence [A, R + 1]);
     ``calibration`` None: the confidence as is (exponent 1, no scale; evidence None). front_logp / edge_logp
@@ -249,15 +285,18 @@ def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_lo
     a = len(ALPHAS)
     pending = torch.empty(a, RANK_BUCKETS + 1, dtype=torch.float64, device=dev)
     cal = calibration
-    _decide_kernel[(1,)](
-        pool_logp.contiguous(), front_logp.contiguous(), edge_logp.contiguous(), depth_ms, verify_ms, row_valid,
-        *((cal.accepted, cal.accepted_by_rank, cal.expected_block, cal.limits, cal.alphas)
-          if cal is not None else (pending,) * 5),
-        go, width, ints, pending,
-        b, p, f, t, n_max, first_step[0], first_step[1], verified, d,
-        **kernel_variant(b, first_step, f, t, cal is not None),
-    )
+    meta = kernel_variant(b, first_step, f, t, cal is not None)
+    state = ((cal.accepted, cal.accepted_by_rank, cal.expected_block, cal.limits, cal.alphas) if cal is not None
+             else (pending,) * 5)
+    jobs = 2 * d + (cal is not None)  # each depth's pool, each with its children, the calibration's evidence
+    sums = torch.zeros(2 * d * meta["BG"] + meta["BA"] * meta["BR"], dtype=torch.long, device=dev)
+    _rank_sums_kernel[(triton.cdiv(b, meta["RB"]), jobs)](
+        pool_logp.contiguous(), front_logp.contiguous(), edge_logp.contiguous(), row_valid, *state, sums,
+        b, p, f, first_step[0], first_step[1], verified, d, **meta)
+    _plan_kernel[(1,)](
+        row_valid, depth_ms, verify_ms, *state, sums, go, width, ints, pending,
+        b, f, t, n_max, first_step[0], first_step[1], verified, d, **meta)
     return RoundPlan(go, width, ints[0], ints[1], ints[2]), pending if cal is not None else None
 
 
-__all__ = ["decide_every_depth_fused", "fused_sizes", "kernel_variant"]
+__all__ = ["decide_every_depth_fused", "fused_sizes", "kernel_variant", "KERNELS"]
