@@ -130,6 +130,7 @@ def engines(args, checked: dict, max_batch: int, max_context: int):
         engine = build_engine(args.shape, 0.3, max_batch, max_context, args.seed, device=device, cuda_graphs=graphs)
         for noise in checked["noise"]:
             set_noise(engine, UNTRAINED_NOISE if noise == "untrained" else float(noise), args.seed)
+            engine.drafter_changed()  # a new drafter: the last one's calibration would misread this one
             yield ("untrained" if noise == "untrained" else f"controlled_noise{noise}"), engine
         return
     from torchspec.runtime.loading import load_engine
@@ -231,6 +232,7 @@ def bench(args) -> dict:
                          "within": _label(controlled), "best_fixed": best,
                          "best_fixed_speedup": paired_best["speedup"],
                          "best_fixed_acceptance": paired_best["spec"]["mean_acceptance"],
+                         "best_fixed_round_kinds": paired_best["spec"]["round_kinds"],
                          "controller_vs_best_fixed": paired_ctl["speedup"] / paired_best["speedup"],
                          "decisions": [[d, w, n] for (d, w), n in sorted(decisions.items())],
                          "chain_controller_speedup": paired_chain["speedup"],
@@ -286,8 +288,8 @@ def format_kinds(r: dict) -> str:
     """Where the controller's time goes: each kind of round, its count and mean wall ms (plain's beside it)."""
     def kinds(name: str) -> str:
         return ", ".join(f"{k} {v['rounds']}x{v['ms']:.3f}" for k, v in r[name].items())
-    return f"    rounds (count x ms): plain [{kinds('plain_round_kinds')}]  controller [{kinds('round_kinds')}]  " \
-           f"as a chain [{kinds('chain_round_kinds')}]"
+    return f"    rounds (count x ms): plain [{kinds('plain_round_kinds')}]  best fixed [{kinds('best_fixed_round_kinds')}]  " \
+           f"controller [{kinds('round_kinds')}]  as a chain [{kinds('chain_round_kinds')}]"
 
 
 def write(path: str, out: dict) -> None:

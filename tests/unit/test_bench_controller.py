@@ -88,11 +88,15 @@ def test_a_real_target_with_its_drafter_untrained(tool, tmp_path, tiny_tokenizer
 
 
 def test_without_a_table_the_costs_are_measured_and_written(tool, tmp_path, monkeypatch):
-    """Measured once for the run's drafters of one architecture (two noise levels: one profile), and written."""
+    """Measured once for the run's drafters of one architecture (two noise levels: one profile), and written;
+    each drafter starts its own calibration on that one table (the last drafter's evidence says nothing of it)."""
     import torchspec.runtime.cost_profile as cost_profile
+    from torchspec.runtime.engine import SpeculativeEngine
 
     profiles, real = [], cost_profile.profile_costs
     monkeypatch.setattr(cost_profile, "profile_costs", lambda *a, **k: profiles.append(1) or real(*a, **k))
+    changed, forget = [], SpeculativeEngine.drafter_changed
+    monkeypatch.setattr(SpeculativeEngine, "drafter_changed", lambda self: changed.append(1) or forget(self))
     out = tmp_path / "c.json"
     tool.main(["--shape", "tiny", "--noise", "0.0,untrained", "--concurrency", "1", "--chains", "1", "--trees",
                "2x2x3", "--max-new-tokens", "6", "--prompt-len", "6", "--repeats", "1", "--num-prompts", "1",
@@ -100,6 +104,7 @@ def test_without_a_table_the_costs_are_measured_and_written(tool, tmp_path, monk
     table = json.loads(out.with_suffix(".costs.json").read_text())
     assert table["version"] == 2 and len(table["round_ms"]) == 1 and table["nodes"][0] == 0 and table["batches"] == [1]
     assert len(profiles) == 1 and len(json.loads(out.read_text())["rows"]) == 2
+    assert len(changed) == 2
 
 
 def test_chain_from_batch_is_where_the_chain_keeps_winning(tool):
@@ -116,7 +121,7 @@ def test_rows_say_where_the_rounds_time_goes(result):
     """Each run's rounds by kind: plain decoding's are plain steps; the controller's are its plans (a plain
     streak's rounds "plain-deferring"), one per round it traced, each with a mean wall time."""
     for r in result[0]["rows"]:
-        assert set(r["plain_round_kinds"]) == {"plain"}
+        assert set(r["plain_round_kinds"]) == {"plain"} and set(r["best_fixed_round_kinds"]) == {"spec"}
         for kinds, decisions in ((r["round_kinds"], r["decisions"]), (r["chain_round_kinds"], r["chain_decisions"])):
             labels = {f"d{d}w{w}" for d, w, _ in decisions if w} | {"plain-deferring"}
             assert set(kinds) <= labels and all(v["ms"] > 0 for v in kinds.values()), (kinds, decisions)

@@ -398,6 +398,22 @@ def test_a_later_configure_with_the_same_table_continues_the_probe_schedule(engi
     assert fresh[0] != PLAIN_ROUND and [i for i, p in enumerate(fresh) if p != PLAIN_ROUND] == _probe_rounds(len(fresh))
 
 
+def test_a_changed_drafter_starts_a_new_calibration_and_probe_schedule(engine, tiny_tokenizer):
+    """Weights replaced in the same runner (``drafter_changed``): the same table gets a fresh calibration and
+    the controller probes at once with short streaks, as for a new table; without it, both carry on."""
+    from torchspec.runtime.controlled_drafting import PLAIN_ROUND
+
+    costs = table(engine, depth=0.01, verify_per_node=50.0)
+    run(engine, tiny_tokenizer, 1, SPECS[0], costs, "ahead")
+    first = engine.controller.calibration
+    assert run(engine, tiny_tokenizer, 1, SPECS[0], costs, "ahead")[1][0] == PLAIN_ROUND  # carried on, mid-streak
+    assert engine.controller.calibration is first
+    engine.drafter_changed()
+    fresh = run(engine, tiny_tokenizer, 1, SPECS[0], costs, "ahead")[1]
+    assert engine.controller.calibration is not first
+    assert [i for i, p in enumerate(fresh) if p != PLAIN_ROUND] == _probe_rounds(len(fresh))
+
+
 def test_every_round_pays_the_tables_host_time(engine):
     """A table's host time a round (``overhead_ms``) is added to every verify cost, plain step included; depth 0
     stays the whole width-0 round less the timed plain step."""

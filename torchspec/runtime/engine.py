@@ -164,6 +164,12 @@ class SpeculativeEngine:
         if self.graphs is not None:  # graphed steps draw from the default CUDA generator
             torch.cuda.manual_seed(seed)
 
+    def drafter_changed(self) -> None:
+        """The drafter's weights were replaced in place (another checkpoint in the same runner, a bench's next
+        drafter): what the controller learnt about the old one -- its calibration and the probe schedule of its
+        plain streaks -- no longer holds, so the next ``configure`` with a controller table starts over."""
+        self._calibrated = None
+
     def submit(self, prompt_ids: list[int] | str, *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                stop_token_ids=(), ignore_eos: bool = False) -> int:
         """Queue a request; returns its id. It stops after an EOS (unless ``ignore_eos``) or one of
