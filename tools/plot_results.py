@@ -288,26 +288,57 @@ def plot_split_sweep(sources: dict[str, Path], out: Path) -> None:
 
 
 def plot_controller_decide(src: Path, out: Path) -> None:
-    """The draft controller's decision after a round: tensor ops against the one kernel (us, graph replays), and
-    the first, unrolled version of the kernel where the file keeps it."""
+    """The draft controller's decision after a round: tensor ops against the kernel (us, graph replays); the
+    first, unrolled version where the file keeps it; one bar per chunk size where the file compares them."""
     data = json.loads(src.read_text())
     rows = [r for r in data["rows"] if r["fused_us"] is not None]
+    chunks = sorted({r.get("chunk_nodes") for r in rows} - {None})
+    cases = list(dict.fromkeys((r["batch"], r["depths"]) for r in rows))
+    fused = {(r["batch"], r["depths"], r.get("chunk_nodes")): r["fused_us"] for r in rows}
+    tensor = {(r["batch"], r["depths"]): r["tensor_us"] for r in rows}
     first = {(r["batch"], r["depths"]): r["fused_us"] for r in data.get("unrolled_first_version", {}).get("rows", [])}
-    x = range(len(rows))
-    bars = [("tensor ops (~100 kernels)", [r["tensor_us"] for r in rows])]
+    bars = [("tensor ops (~100 kernels)", [tensor[c] for c in cases])]
     if first:
-        bars.append(("one kernel, unrolled (first version)", [first.get((r["batch"], r["depths"]), 0) for r in rows]))
-    bars.append(("one kernel, row-chunked (compiles in seconds)" if first else "one Triton kernel",
-                 [r["fused_us"] for r in rows]))
-    width = 0.8 / len(bars)
+        bars.append(("one kernel, unrolled (first version)", [first.get(c, 0) for c in cases]))
+    if len(chunks) > 1:  # the two-pass kernel: its grid's programs sort at most this many pool nodes each
+        bars += [(f"two passes, {n} nodes a program" + (" (default)" if n == min(chunks) else ""),
+                  [fused[(*c, n)] for c in cases]) for n in chunks]
+    else:
+        bars.append(("one kernel, row-chunked (compiles in seconds)" if first else "one Triton kernel",
+                     [fused[(*c, chunks[0] if chunks else None)] for c in cases]))
+    x, width = range(len(cases)), 0.8 / len(bars)
     fig, ax = plt.subplots(figsize=(8, 3.6))
     for i, (label, values) in enumerate(bars):
         ax.bar([j + (i - (len(bars) - 1) / 2) * width for j in x], values, width, label=label)
-    ax.set_xticks(list(x), [f"b={r['batch']}\n{r['depths']} depth{'s' if r['depths'] > 1 else ''}" for r in rows])
+    ax.set_xticks(list(x), [f"b={b}\n{d} depth{'s' if d > 1 else ''}" for b, d in cases])
     ax.set_ylabel("us a decision")
-    ax.set_ylim(0, 1.35 * max(r["tensor_us"] for r in rows))  # room for the legend
+    ax.set_ylim(0, 1.35 * max(tensor.values()))  # room for the legend
     ax.set_title(f"The controller's decision after a round ({data['device']}, CUDA-graph replays)")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_controller_pair(src: Path, out: Path) -> None:
+    """The controlled pair's speedups over plain decoding by concurrency: the controller (tree and chain) beside
+    the best fixed shape of the sweep, per drafter (rows of ``controller_h200.json`` from one device and code)."""
+    data = json.loads(src.read_text())
+    drafters = list(dict.fromkeys(r["drafter"] for r in data["rows"]))
+    fig, axes = plt.subplots(1, len(drafters), figsize=(4.2 * len(drafters), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], drafters):
+        rows = sorted((r for r in data["rows"] if r["drafter"] == name), key=lambda r: r["concurrency"])
+        x, width = range(len(rows)), 0.27
+        for i, (label, key) in enumerate((("controller (tree)", "speedup"), ("controller (chain)",
+                                          "chain_controller_speedup"), ("best fixed shape", "best_fixed_speedup"))):
+            ax.bar([j + (i - 1) * width for j in x], [r[key] for r in rows], width, label=label)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(0.97, color="r", lw=0.8, ls=":")
+        ax.set_xticks(list(x), [f"c={r['concurrency']}\n{r['best_fixed']}" for r in rows])
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("speedup over plain")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Draft controller vs the best fixed shape ({data['device']}, SmolLM2-135M shape)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -351,4 +382,8 @@ if __name__ == "__main__":
         plot_split_sweep(sweep, img / "attention_split_sweep.png")
     if (bench / "controller_decide_h200.json").exists():
         plot_controller_decide(bench / "controller_decide_h200.json", img / "controller_decide_h200.png")
+    if (bench / "controller_decide_h100_s20.json").exists():
+        plot_controller_decide(bench / "controller_decide_h100_s20.json", img / "controller_decide_h100_s20.png")
+    if (bench / "controller_pair_smollm2_h100_s20_rows.json").exists():
+        plot_controller_pair(bench / "controller_pair_smollm2_h100_s20_rows.json", img / "controller_pair_h100_s20.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))
