@@ -133,10 +133,7 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
     stateful = deferring or costs is not None  # deferred drafter entries, the calibration's evidence
     out = step(**args) if engine.graphs is None else run_graph(engine, key, step, args, stateful)
     store_round(engine, index, out)
-    synced = torch.cat([out.count[:, None], out.tokens], 1)
-    if out.plan is not None:  # the controller's plan rides on the same transfer (a padded last row)
-        synced = torch.cat([synced, torch.nn.functional.pad(out.plan, (0, synced.shape[1] - 2))[None]])
-    committed = synced.tolist()  # the round's one host sync
+    committed = out.synced.tolist()  # the round's one host sync (the controller's plan: a padded last row)
     if engine.controller is not None:
         engine.controller.after(costs, committed.pop() if out.plan is not None else None)
     dt = time.perf_counter() - t0

@@ -82,6 +82,16 @@ class StepOut:
     normed: torch.Tensor | None = None  # [B, H] drafter state at the new last position
     feedback: torch.Tensor | None = None
     plan: torch.Tensor | None = None  # [2] int64: the draft controller's next round (depth, width), synced with these
+    # [B (+1 with a plan), 1 + W] int64: count, tokens, then the plan's row -- the round's one host read, built
+    # where the step runs (inside its CUDA graph: no eager launches between the replay and the read)
+    synced: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.synced is None:
+            synced = torch.cat([self.count[:, None], self.tokens], 1)
+            if self.plan is not None:
+                synced = torch.cat([synced, torch.nn.functional.pad(self.plan, (0, synced.shape[1] - 2))[None]])
+            self.synced = synced
 
 
 def next_token(decoder: TargetDecoder, hidden: torch.Tensor, params: SamplingParams | RowSampling,
