@@ -184,3 +184,25 @@ def test_profiling_leaves_the_engine_as_it_found_it(pair):
     assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=8, spec=spec)] == before
     with pytest.raises(ValueError, match="max_batch and max_context"):
         profile_costs(engine, batches=[4], contexts=[20], widths=[2], nodes=[0], repeats=1)
+
+
+def test_the_hosts_time_a_round_leaves_a_generate_calls_fixed_cost_out(monkeypatch):
+    """``decode_round_ms`` on a fake engine and clock: a call costs 10 ms once (set-up, prefill, results) and 1.5 ms
+    a round. The long run less the short one gives the round's 1.5 ms; one run over its rounds would give
+    1.5 + 10 / rounds."""
+    import torchspec.runtime.cost_profile as cp
+
+    clock = [0.0]
+    monkeypatch.setattr(cp.time, "perf_counter", lambda: clock[0])
+
+    class Engine:
+        decode_rounds = 0
+        decoder = type("D", (), {"vocab_size": 50})()
+
+        def generate(self, prompts, max_new_tokens, concurrency, ignore_eos):
+            rounds = max_new_tokens - 1  # the first token comes from the prefill
+            self.decode_rounds += rounds
+            clock[0] += 0.010 + 0.0015 * rounds
+            return []
+
+    assert cp.decode_round_ms(Engine(), 4, 16) == pytest.approx(1.5)

@@ -14,8 +14,8 @@ For every context bucket and padded batch size b, on an idle engine whose rows a
   the drafter's catch-up (``steps.speculate``): what every speculating round pays beyond its verify
   forward and later depths.
 * **the host's time a round** (``overhead_ms``, per batch): random prompts of the first context bucket
-  decoded plainly through the engine itself (``generate``, ``OVERHEAD_ROUNDS`` rounds): the wall time a
-  decode round less the timed plain step is what the engine adds around its forwards (bookkeeping,
+  decoded plainly through the engine itself (``generate``; a long run less a short one, ``OVERHEAD_ROUNDS``
+  rounds apart, so a call's fixed cost cancels): the wall time a decode round less the timed plain step is what the engine adds around its forwards (bookkeeping,
   inputs, launches, the sync) -- on a GPU, time it idles; every round pays it, plain or not.
 * **the verify forward** over n drafted nodes a row: the target forward over root + n nodes with
   the tree's attention mask and the drafter's aux layers captured, and the argmax at every node (as
@@ -54,7 +54,8 @@ from torchspec.runtime.tree import chain_tree
 from torchspec.runtime.tree_select import expand_frontier, with_ancestors
 
 GREEDY = SamplingParams()
-OVERHEAD_ROUNDS = 24  # plain decode rounds timed for the host's time a round
+OVERHEAD_ROUNDS = 24  # plain decode rounds timed for the host's time a round (beyond a short run's)
+SHORT_ROUNDS = 4  # the short run's new tokens: the long run less it cancels a generate call's fixed cost
 
 
 def graph_replay(fn: Callable[[], object], replays: int, keep_graph: bool = False
@@ -236,31 +237,41 @@ def profile_costs(engine, *, batches: list[int], contexts: list[int], widths: li
             "created": datetime.now(UTC).isoformat(timespec="seconds")}
     table = CostTable(key=cost_key(engine.decoder, engine.runner), widths=list(widths), nodes=list(nodes),
                       batches=list(batches), contexts=list(contexts), depth=depth, verify=verify, round=whole, meta=meta)
-    ctx = min(contexts[0], engine.max_context - OVERHEAD_ROUNDS - 2)
-    table.overhead = torch.tensor([max(0.0, decode_round_ms(engine, b, ctx) - float(table.verify_ms(b, ctx)[0]))
+    rounds = max(1, min(OVERHEAD_ROUNDS, engine.max_context - SHORT_ROUNDS - 3))  # a small context: fewer rounds
+    ctx = max(1, min(contexts[0], engine.max_context - rounds - SHORT_ROUNDS - 2))
+    table.overhead = torch.tensor([max(0.0, decode_round_ms(engine, b, ctx, rounds) - float(table.verify_ms(b, ctx)[0]))
                                    for b in batches], dtype=torch.float64)
-    table.meta["overhead"] = f"plain decode rounds at ctx {ctx} (engine.generate) less the timed plain step"
+    table.meta["overhead"] = (f"plain decode rounds at ctx {ctx} (engine.generate; a long run less a short one) less "
+                              "the timed plain step")
     if log is not None:
         log("host ms a round " + "  ".join(f"b {b}: {t:.3f}" for b, t in zip(batches, table.overhead.tolist())))
     return table
 
 
-def decode_round_ms(engine, b: int, ctx: int) -> float:
-    """The wall time (ms) of one plain decode round of ``b`` rows after ``ctx`` tokens, through ``engine.generate``
-    (its prefill left out): a warm-up run (graph captures, compiles), then the median over 3 runs of the decode
-    time a round. Random prompts from a fixed seed: every tensor-parallel rank decodes the same ones."""
+def decode_round_ms(engine, b: int, ctx: int, rounds: int = OVERHEAD_ROUNDS) -> float:
+    """The wall time (ms) of one plain decode round of ``b`` rows after ``ctx`` tokens, through ``engine.generate``:
+    after a warm-up run (graph captures, compiles), a run of ``SHORT_ROUNDS`` new tokens and one of
+    ``SHORT_ROUNDS + rounds``, their wall-time difference over their difference in rounds (the median of
+    3 such pairs), so what a ``generate`` call pays once -- its set-up, the prefill, the results -- cancels out.
+    (Dividing one run's wall time less its prefill by its rounds left 8-13 ms of a call's set-up in 24 rounds:
+    0.2-0.5 ms a round too much on an H100 against the plain rounds a bench then timed, 2-4x the host's real
+    time a round, which made every speculating round look relatively cheaper to the controller.) Random prompts from a fixed
+    seed: every tensor-parallel rank decodes the same ones."""
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, engine.decoder.vocab_size, (b, max(ctx, 1)), generator=g).tolist()
-    engine.generate(prompts, max_new_tokens=4, concurrency=b, ignore_eos=True)
-    runs = []
+
+    def run(new_tokens: int) -> tuple[float, int]:
+        rounds, t0 = engine.decode_rounds, time.perf_counter()
+        engine.generate(prompts, max_new_tokens=new_tokens, concurrency=b, ignore_eos=True)
+        return time.perf_counter() - t0, engine.decode_rounds - rounds
+
+    run(SHORT_ROUNDS)
+    per_round = []
     for _ in range(3):
-        rounds = engine.decode_rounds
-        t0 = time.perf_counter()
-        results = engine.generate(prompts, max_new_tokens=OVERHEAD_ROUNDS + 1, concurrency=b, ignore_eos=True)
-        decode = time.perf_counter() - t0 - sum(r.prefill_s for r in results)  # each row holds its share of a prefill
-        runs.append(1e3 * decode / max(1, engine.decode_rounds - rounds))
-    return statistics.median(runs)
+        (short_s, short_rounds), (long_s, long_rounds) = run(SHORT_ROUNDS), run(SHORT_ROUNDS + rounds)
+        per_round.append(1e3 * (long_s - short_s) / max(1, long_rounds - short_rounds))
+    return statistics.median(per_round)
 
 
-__all__ = ["OVERHEAD_ROUNDS", "TIMERS", "decode_round_ms", "depth_fn", "eager_ms", "graph_ms", "round_fn", "graph_replay",
+__all__ = ["OVERHEAD_ROUNDS", "SHORT_ROUNDS", "TIMERS", "decode_round_ms", "depth_fn", "eager_ms", "graph_ms", "round_fn", "graph_replay",
            "profile_costs", "profile_rows_needed", "verify_fn", "wall_ms"]
