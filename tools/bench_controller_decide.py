@@ -162,27 +162,29 @@ def bench(args) -> dict:
            "timing": "cuda-graph replays, device events" if fused else "eager, host clock", "args": vars(args),
            "rows": rows}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    for b in batches:
-        for d in depths:
-            sets = [random_round(gen, b, d, args.topk, dev) for _ in range(args.sets)]
-            tensor_us = time_us(decide_tensor, sets, args)
-            for chunk_nodes in chunks:
-                fused_us = None
-                if fused:
-                    decide_triton.CHUNK_NODES = chunk_nodes
-                    for r in sets:  # the same decisions, bit for bit, on every set
-                        want = outputs(decide_tensor(r, args.verified), r["cal"])
-                        got = outputs(decide_fused(r, args.verified), r["cal"])
-                        if want != got:
-                            raise AssertionError(f"batch {b} depth {d}: fused {got} != tensor {want}")
-                    fused_us = time_us(decide_fused, sets, args)
-                rows.append({"batch": b, "depths": d, "topk": args.topk, "chunk_nodes": chunk_nodes,
-                             "tensor_us": tensor_us, "fused_us": fused_us,
-                             "saved_us": None if fused_us is None else tensor_us - fused_us})
-                print(format_row(rows[-1]), flush=True)
-                atomic_write_text(args.out, json.dumps(out, indent=1))  # every row as it comes: a cut-off keeps them
-    if fused:
-        decide_triton.CHUNK_NODES = default_chunk
+    try:
+        for b in batches:
+            for d in depths:
+                sets = [random_round(gen, b, d, args.topk, dev) for _ in range(args.sets)]
+                tensor_us = time_us(decide_tensor, sets, args)
+                for chunk_nodes in chunks:
+                    fused_us = None
+                    if fused:
+                        decide_triton.CHUNK_NODES = chunk_nodes
+                        for r in sets:  # the same decisions, bit for bit, on every set
+                            want = outputs(decide_tensor(r, args.verified), r["cal"])
+                            got = outputs(decide_fused(r, args.verified), r["cal"])
+                            if want != got:
+                                raise AssertionError(f"batch {b} depth {d}: fused {got} != tensor {want}")
+                        fused_us = time_us(decide_fused, sets, args)
+                    rows.append({"batch": b, "depths": d, "topk": args.topk, "chunk_nodes": chunk_nodes,
+                                 "tensor_us": tensor_us, "fused_us": fused_us,
+                                 "saved_us": None if fused_us is None else tensor_us - fused_us})
+                    print(format_row(rows[-1]), flush=True)
+                    atomic_write_text(args.out, json.dumps(out, indent=1))  # every row as it comes: a cut-off keeps them
+    finally:  # the module's own chunk size back, whatever a case raised
+        if fused:
+            decide_triton.CHUNK_NODES = default_chunk
     return out
 
 

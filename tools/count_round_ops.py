@@ -33,7 +33,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
-        self.paused = False  # ops inside a region that is one kernel on the GPU (``as_one_kernel``)
+        self.paused = False  # ops inside a region that is a few kernels on the GPU (``as_launches``)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -42,16 +42,19 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_ACTIVE: list[OpCounter] = []  # the counter in use (as_one_kernel pauses it)
+_ACTIVE: list[OpCounter] = []  # the counter in use (as_launches pauses it)
+# decide_triton.decide_every_depth_fused on CUDA: the zeroed rank sums, the sorting grid, the plan
+DECISION_LAUNCHES = 3
 
 
-def as_one_kernel(fn):
-    """``fn`` counted as one op by the counter in use (the Triton kernel that replaces its tensor ops on CUDA)."""
+def as_launches(fn, launches: int):
+    """``fn`` counted as ``launches`` ops by the counter in use (the Triton launches that replace its tensor ops
+    on CUDA)."""
     def wrapped(*args, **kwargs):
         if not _ACTIVE:
             return fn(*args, **kwargs)
         c = _ACTIVE[-1]
-        c.counts["one_kernel"] += 1
+        c.counts["decision_launches"] += launches
         c.paused = True
         try:
             return fn(*args, **kwargs)
@@ -129,8 +132,8 @@ def main() -> None:
 def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]:
     """The draft controller's ahead-mode rounds against the fixed tree of the same (depth, width): what deciding
     adds (the criterion at every depth, the next round's plan, the calibration's evidence), as tensor ops (the
-    CPU's path) and as CUDA runs it (the decision one kernel: ``gpu_ops``), and its plain round (a plain step that
-    defers the drafter's entry)."""
+    CPU's path) and as CUDA runs it (the decision its ``DECISION_LAUNCHES`` Triton launches: ``gpu_ops``), and
+    its plain round (a plain step that defers the drafter's entry)."""
     from torchspec.runtime import controlled_drafting
     from torchspec.runtime.calibration import Calibration
     from torchspec.runtime.controlled_drafting import RoundCosts
@@ -151,7 +154,7 @@ def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]
         ctl, counts = count(lambda s=spec, c=costs: speculate(engine.decoder, engine.runner, engine.caches, inp, s,
                                                               greedy, None, costs=c))
         tensor_decide = controlled_drafting.decide_every_depth_calibrated
-        controlled_drafting.decide_every_depth_calibrated = as_one_kernel(tensor_decide)
+        controlled_drafting.decide_every_depth_calibrated = as_launches(tensor_decide, DECISION_LAUNCHES)
         try:
             gpu, gpu_counts = count(lambda s=spec, c=costs: speculate(engine.decoder, engine.runner, engine.caches,
                                                                       inp, s, greedy, None, costs=c))
