@@ -98,17 +98,19 @@ def check_args(args) -> dict:
     return {"spec": base_spec, "levels": levels, "temps": temps, "shapes": shapes, "prompt_sets": prompt_sets}
 
 
-def measure(engine, prompts, spec, params, max_new, seed, concurrency, controller=None, controller_mode="ahead"
-            ) -> dict:
+def measure(engine, prompts, spec, params, max_new, seed, concurrency, controller=None, controller_mode="ahead",
+            chain_from_batch=None) -> dict:
     """One timed ``generate``; ``round_ms``: decode time per batched engine round (a plain step for
     plain decoding); ``round_kinds``: count and mean ms of each kind of round (``round_kinds``); ``mean_ctx``:
     the rows' mean committed length over their decode. ``controller``: a cost table, the draft controller
-    choosing each greedy round's shape within ``spec`` (``controller_mode``)."""
+    choosing each greedy round's shape within ``spec`` (``controller_mode``; a chain from ``chain_from_batch``
+    rows on, None: the table's rule)."""
     rounds_before = engine.decode_rounds
     kinds_before = {k: list(v) for k, v in engine.round_kinds.items()}
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=max_new, sampling=params, spec=spec, seed=seed,
-                              concurrency=concurrency, controller=controller, controller_mode=controller_mode)
+                              concurrency=concurrency, controller=controller, controller_mode=controller_mode,
+                              chain_from_batch=chain_from_batch)
     wall = time.perf_counter() - t0
     engine_rounds = engine.decode_rounds - rounds_before
     prefill = sum(r.prefill_s for r in results)

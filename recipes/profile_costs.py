@@ -47,6 +47,9 @@ def build_parser() -> ArgumentParser:
                    help="serving dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (as the engine serves)")
     p.add_argument("--cache-dir", default="~/.cache/torchspec", help="where a .gguf target is converted once")
+    p.add_argument("--chain-from-batch", type=int, default=None, metavar="N",
+                   help="record the controller's chain rule in the table: greedy rounds of N rows or more draft a "
+                        "chain (measure N with tools/bench_controller.py; default: the tree at every batch)")
     p.add_argument("--plot", default=None, metavar="PNG", help="also plot the measured costs to this PNG")
     return p
 
@@ -74,6 +77,8 @@ def check_args(args) -> dict:
     check_at_least("--repeats", args.repeats, 1)
     check_at_least("--tp", args.tp, 1)
     check_at_least("--page-size", args.page_size, 1)
+    if args.chain_from_batch is not None:
+        check_at_least("--chain-from-batch", args.chain_from_batch, 1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp != world:
         raise ValueError(f"--tp {args.tp} but {world} process(es) run; launch with torchrun --nproc-per-node "
@@ -109,6 +114,7 @@ def run(args):
     engine = build_engine(args, grid)
     table = profile_costs(engine, **grid, repeats=args.repeats, timing=args.timing, log=print if is_rank0() else None)
     table.meta["args"] = {k: v for k, v in vars(args).items() if k != "debug"}
+    table.chain_from_batch = args.chain_from_batch
     return table
 
 

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="paired re-timings of the best fixed shape and the controller")
     p.add_argument("--costs", help="a torchspec-profile table of this setup (default: measure it here)")
     p.add_argument("--costs-out", help="where a table measured here is written (default: beside --out)")
+    p.add_argument("--chain-from-batch", type=int, default=None, metavar="N",
+                   help="the controller's rows draft a chain at concurrency N or more (default: the cost table's "
+                        "chain_from_batch; the tree throughout if it has none); the 'as a chain' rows always do")
     p.add_argument("--controller-mode", default="ahead", choices=["ahead", "within"],
                    help="ahead: planned a round before, with CUDA graphs; within: per depth on the host, no graphs")
     p.add_argument("--device", default=None)
@@ -114,6 +117,8 @@ def check_args(args) -> dict:
     for pair in args.drafter:
         if "=" not in pair or not pathlib.Path(pair.partition("=")[2]).is_dir():
             raise ValueError(f"--drafter {pair!r} must read name=<export dir> with an existing export dir.")
+    if args.chain_from_batch is not None:
+        check_at_least("--chain-from-batch", args.chain_from_batch, 1)
     if args.costs and not pathlib.Path(args.costs).is_file():
         raise ValueError(f"--costs {args.costs} does not exist; run torchspec-profile first or leave --costs out.")
     return {"shapes": chains + trees, "levels": levels, "controlled": controlled,
@@ -212,7 +217,8 @@ def bench(args) -> dict:
             for spec in (controlled, chain):  # the graphs of its plans: whole runs until a run captures none new
                 for _ in range(WARM_RUNS if engine.graphs is not None else 0):
                     before = len(engine.graphs)
-                    run(spec=spec, controller=table, controller_mode=mode)
+                    run(spec=spec, controller=table, controller_mode=mode,
+                        chain_from_batch=args.chain_from_batch if spec is controlled else None)
                     if len(engine.graphs) == before:
                         break
             graphs_before = len(engine.graphs) if engine.graphs is not None else 0
@@ -222,14 +228,19 @@ def bench(args) -> dict:
             best_spec = next(s for s in shapes if _label(s) == best)
             decisions, chain_decisions = Counter(), Counter()
             paired_best = paired_timings(partial(run, spec=None), partial(run, spec=best_spec), args.repeats)
+            ctl_run = partial(run, chain_from_batch=args.chain_from_batch)  # None: the table's rule
             paired_ctl = paired_timings(partial(run, spec=None),
-                                        partial(controller_run, run, engine, controlled, table, mode, decisions), args.repeats)
+                                        partial(controller_run, ctl_run, engine, controlled, table, mode, decisions),
+                                        args.repeats)
             paired_chain = paired_timings(partial(run, spec=None),
                                           partial(controller_run, run, engine, chain, table, mode, chain_decisions),
                                           args.repeats)
+            rule = table.chain_from_batch if args.chain_from_batch is None else args.chain_from_batch
             rows.append({"drafter": name, "target": target, "mode": "controller", "concurrency": c, "temperature": 0.0,
                          **paired_fields(paired_ctl), "acceptance": paired_ctl["spec"]["mean_acceptance"],
-                         "within": _label(controlled), "best_fixed": best,
+                         "within": _label(controlled), "controller_chain_from_batch": rule,
+                         "controller_drafts": "chain" if rule is not None and c >= rule else "tree",
+                         "best_fixed": best,
                          "best_fixed_speedup": paired_best["speedup"],
                          "best_fixed_acceptance": paired_best["spec"]["mean_acceptance"],
                          "best_fixed_round_kinds": paired_best["spec"]["round_kinds"],

@@ -48,6 +48,7 @@ def test_rows_hold_the_issue_keys_and_the_best_fixed_shape(result):
         assert r["within"] == "tree3x2x4" and sum(n for _, _, n in r["decisions"]) > 0
         assert all(0 <= d <= 3 and 0 <= w <= 4 and (d > 0 or w == 0) for d, w, _ in r["decisions"])  # d 0: a plain round
         assert all(w <= 3 for _, w, _ in r["chain_decisions"])  # a chain verifies at most its depth
+        assert r["controller_chain_from_batch"] is None and r["controller_drafts"] == "tree"  # the table has no rule
     assert set(data["chain_from_batch"]) == {"controlled_noise0.0", "untrained"}
     assert data["cuda_graphs"] is False and not out.with_suffix(".costs.json").exists()  # --costs: none measured
 
@@ -64,6 +65,7 @@ def test_the_untrained_drafter_is_not_verified_and_the_good_one_is(result):
 @pytest.mark.parametrize("bad, message", [(["--trees", "5x8"], "--trees entry"), (["--concurrency", "0"], "--concurrency"),
                                           (["--costs", "/nonexistent.json"], "--costs"), (["--repeats", "0"], "--repeats"),
                                           (["--target", "x"], "--target needs"),
+                                          (["--chain-from-batch", "0"], "--chain-from-batch"),
                                           (["--target", "x", "--drafter", "untrained"], "name=<export dir>")])
 def test_bad_options_are_one_line_errors(tool, tmp_path, capsys, bad, message):
     with pytest.raises(SystemExit) as err:
@@ -126,3 +128,18 @@ def test_rows_say_where_the_rounds_time_goes(result):
             labels = {f"d{d}w{w}" for d, w, _ in decisions if w} | {"plain-deferring"}
             assert set(kinds) <= labels and all(v["ms"] > 0 for v in kinds.values()), (kinds, decisions)
             assert sum(v["rounds"] for v in kinds.values()) == sum(n for _, _, n in decisions)
+
+
+def test_the_controller_rows_draft_chains_from_the_given_batch(tool, tmp_path):
+    """``--chain-from-batch 2``: the controller as it would serve with that rule -- the tree at c=1, a chain at c=2
+    (verifying at most the chain's depth)."""
+    args = tool.build_parser().parse_args([*ARGS, "--noise", "0.0", "--out", str(tmp_path / "unused.json")])
+    _, engine = next(tool.engines(args, tool.check_args(args), 2, 64))
+    costs = tmp_path / "costs.json"
+    linear_table(engine, 0.02, 0.1, widths=[1, 2], nodes=list(range(5))).save(costs)
+    out = tmp_path / "ruled.json"
+    tool.main([*ARGS, "--noise", "0.0", "--costs", str(costs), "--chain-from-batch", "2", "--out", str(out)])
+    rows = {r["concurrency"]: r for r in json.loads(out.read_text())["rows"]}
+    assert [rows[c]["controller_drafts"] for c in (1, 2)] == ["tree", "chain"]
+    assert rows[2]["controller_chain_from_batch"] == 2
+    assert all(w <= 3 for _, w, _ in rows[2]["decisions"])

@@ -260,6 +260,20 @@ def test_from_chain_from_batch_rows_on_greedy_rounds_draft_a_chain(confident, pl
         confident.configure(spec=spec, controller=costs, chain_from_batch=0)
 
 
+def test_the_cost_tables_chain_rule_applies_unless_the_caller_gives_one(confident, tiny_tokenizer):
+    """A table that records ``chain_from_batch`` (torchspec-profile --chain-from-batch) makes the controller draft
+    chains from that batch on by itself; an explicit ``chain_from_batch`` wins over it."""
+    costs = table(confident, depth=1e-4, verify_per_node=1e-4)
+    costs.chain_from_batch = 1
+    spec = SPECS[0]
+    for given, chain in ((None, True), (4, False)):
+        confident.generate(prompts(tiny_tokenizer, 3), max_new_tokens=16, spec=spec, ignore_eos=True,
+                           controller=costs, chain_from_batch=given)
+        assert confident.controller.chain_from_batch == (1 if given is None else given)
+        widest = max(w for _, w in confident.controller.trace)
+        assert (widest <= spec.depth) if chain else (widest > spec.depth), (given, confident.controller.trace)
+
+
 def test_ahead_rounds_draft_what_the_round_before_planned(confident, plain, tiny_tokenizer, monkeypatch):
     """Ahead mode: each greedy round's (depth, width) is the plan the previous round wrote on the device (clamped to
     the spec and to an allowed width), the first round drafts depth 0 alone, and depths grow one a round at most."""

@@ -36,7 +36,7 @@ def profiled(pair, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("costs")
     out, png = out_dir / "costs.json", out_dir / "costs.png"
     out.write_text("an older table")
-    argv = ["--target", pair[0], "--drafter", pair[1], "--out", str(out), "--plot", str(png)]
+    argv = ["--target", pair[0], "--drafter", pair[1], "--out", str(out), "--plot", str(png), "--chain-from-batch", "2"]
     profile_main(argv + [x for kv in GRID.items() for x in kv])
     return out, png
 
@@ -51,7 +51,7 @@ def test_cli_writes_a_complete_table(profiled):
     data = json.loads(out.read_text())  # replaced: the older content is gone
     assert data["version"] == TABLE_VERSION
     assert set(data) == {"version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "round_ms",
-                         "overhead_ms", "meta"}
+                         "overhead_ms", "chain_from_batch", "meta"}
     assert set(data["key"]) == {"device", "tp", "target", "drafter", "dtype"}
     assert data["key"]["device"] == "cpu" and data["key"]["tp"] == 1 and data["key"]["dtype"] == "float32"
     assert (data["batches"], data["widths"], data["nodes"], data["contexts"]) == ([1, 2], [1, 2], [0, 1, 3], [8, 24])
@@ -59,6 +59,7 @@ def test_cli_writes_a_complete_table(profiled):
     assert list(table.depth.shape) == [2, 2, 2] and list(table.verify.shape) == [2, 2, 3]
     assert (table.depth > 0).all() and (table.verify > 0).all()
     assert table.meta["repeats"] == 2 and "wall-clock" in table.meta["timing"]
+    assert table.chain_from_batch == 2  # --chain-from-batch: the controller's chain rule, recorded
     assert list(table.overhead.shape) == [2] and (table.overhead >= 0).all() and "plain decode" in table.meta["overhead"]
     assert table.depth_ms(2, 16).shape == (2,) and table.verify_ms(1, 8).shape == (4,)
     assert table.round.shape == (2, 2) and table.round_ms(2, 16).dim() == 0 and float(table.round_ms(2, 16)) > 0
@@ -125,11 +126,17 @@ def test_table_round_trips_and_bad_tables_are_refused(tmp_path):
     before = CostTable.from_dict({k: v for k, v in good.items() if k != "overhead_ms"})  # written before the column
     assert before.overhead.tolist() == [0.0] * 3 and before.overhead_ms(5) == 0.0
     assert again.overhead_ms(3) == pytest.approx(0.25, abs=1e-4)  # b 3 -> 4
+    assert before.chain_from_batch is None and again.chain_from_batch is None  # no rule: the tree throughout
+    ruled = CostTable.from_dict({**good, "chain_from_batch": 64})
+    ruled.save(tmp_path / "ruled.json")
+    assert CostTable.load(tmp_path / "ruled.json", None).chain_from_batch == 64
     old = {k: v for k, v in good.items() if k != "round_ms"}
     cases = {"version": ({**good, "version": 3}, "version 3"),
              "version 1": ({**old, "version": 1}, "version 1, this torchspec reads version 2; re-run"),
              "round shape": ({**good, "round_ms": good["round_ms"][:1]}, "round_ms has shape"),
              "overhead": ({**good, "overhead_ms": [0.1, -0.2, 0.3]}, "overhead_ms=.* one time >= 0 a batch"),
+             "chain rule": ({**good, "chain_from_batch": 0}, "chain_from_batch=0 must be an int >= 1 or null"),
+             "chain rule type": ({**good, "chain_from_batch": "64"}, "chain_from_batch='64' must be an int"),
              "unknown key": ({**good, "extra": 1}, "unknown \\['extra'\\]"),
              "missing field": ({**good, "key": {k: v for k, v in good["key"].items() if k != "tp"}}, "missing \\['tp'\\]"),
              "shape": ({**good, "verify_ms": [r[:1] for r in good["verify_ms"]]}, "verify_ms has shape"),
@@ -145,7 +152,8 @@ def test_table_round_trips_and_bad_tables_are_refused(tmp_path):
     ({"--batches": "1,x"}, "--batches"), ({"--widths": "0,2"}, "--widths"), ({"--nodes": "1,2"}, "--nodes"),
     ({"--contexts": "8,8"}, "--contexts"), ({"--repeats": "0"}, "--repeats"), ({"--tp": "2"}, "--tp"),
     ({"--target": "/no/such/target"}, "--target"), ({"--drafter": "/no/such/export"}, "--drafter"),
-    ({"--dtype": "float16"}, "--dtype"), ({"--out": "DIR"}, "--out"), ({"--timing": "host"}, "--timing")])
+    ({"--dtype": "float16"}, "--dtype"), ({"--out": "DIR"}, "--out"), ({"--timing": "host"}, "--timing"),
+    ({"--chain-from-batch": "0"}, "--chain-from-batch")])
 def test_bad_cli_input_exits_2_and_writes_nothing(pair, tmp_path, capsys, change, flag):
     out = tmp_path / "costs.json"
     out.write_text("an older table")

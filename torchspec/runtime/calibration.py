@@ -32,6 +32,7 @@ import itertools
 import torch
 
 from torchspec.runtime.controller_policy import PROB_ONE, RANK_BUCKETS, SCALE_ONE, rank_buckets
+from torchspec.targets.fused_ops import fused
 
 _SERIALS = itertools.count()  # a calibration's number: graphs that read it are keyed by it, never by id()
 ALPHAS = (1.0, 0.5, 0.25, 0.125)  # exponents of the path probabilities (powers of two: p^a's logp * a is exact)
@@ -104,13 +105,23 @@ class Calibration:
         read). Live rows count; a round without any, a CUDA-graph warm-up on idle inputs, leaves the evidence as
         it was."""
         assert self.pending is not None, "observe follows a controlled round's draft"
-        on_path = (torch.arange(ranks.shape[1], device=ranks.device) < accepted[:, None]) & row_valid[:, None]
-        bucket = self._bucket_table[ranks.clamp(0, BUCKET_TABLE - 1)]
-        by_rank = self.state.new_zeros(RANK_BUCKETS).scatter_add_(0, bucket.flatten(), on_path.flatten().double())
-        decay = torch.where(row_valid.any(), self.decay, 1.0).double()
-        # accepted: the live rows' accepted nodes, all of them (each row's a) and by rank; then the pending block
-        self.state.mul_(decay).add_(torch.cat([by_rank.sum(0, keepdim=True), by_rank, self.pending.flatten()]))
+        factor, delta = _observation(accepted, ranks, row_valid, self._bucket_table, self.pending, self.decay)
+        self.state.mul_(factor).add_(delta)
         self.pending = None
+
+
+@fused
+def _observation(accepted: torch.Tensor, ranks: torch.Tensor, row_valid: torch.Tensor, bucket_table: torch.Tensor,
+                 pending: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A round's update of ``Calibration.state`` -> (the decay factor, 0-d: 1 when no row is live; the evidence
+    to add, in the state's layout: the live rows' accepted nodes, those by their rank's bucket, then the pending
+    expectations). One fused region on CUDA (~13 small ops that ran as as many kernels inside every controlled
+    round's graph); the update itself stays an eager multiply and add, rounded twice as before."""
+    on_path = (torch.arange(ranks.shape[1], device=ranks.device) < accepted[:, None]) & row_valid[:, None]
+    bucket = bucket_table[ranks.clamp(0, BUCKET_TABLE - 1)]
+    by_rank = pending.new_zeros(RANK_BUCKETS).scatter_add_(0, bucket.flatten(), on_path.flatten().double())
+    factor = torch.where(row_valid.any(), decay, 1.0).double()
+    return factor, torch.cat([by_rank.sum(0, keepdim=True), by_rank, pending.flatten()])
 
 
 __all__ = ["ALPHAS", "Calibration"]

@@ -57,7 +57,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="the draft controller with this torchspec-profile table: each round's depth and width are "
                         "chosen within the shape above")
     g.add_argument("--chain-from-batch", type=int, default=None,
-                   help="with --controller: greedy rounds of this many rows or more draft a chain")
+                   help="with --controller: greedy rounds of this many rows or more draft a chain (default: the "
+                        "cost table's chain_from_batch, if it has one)")
     g.add_argument("--controller-mode", default="ahead", choices=["ahead", "within"],
                    help="with --controller: ahead = each round's shape planned by the previous round on the GPU "
                         "(CUDA graphs); within = decided after every depth on the host (no CUDA graphs)")

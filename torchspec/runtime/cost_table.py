@@ -38,6 +38,13 @@ the timed plain step; 0.3-0.6 ms on an H200 host). Plain and speculating rounds 
 every verify cost the controller weighs (``RoundCosts.lookup``): without it a deeper round, which spreads it
 over more tokens, looks dearer than it is. Optional (tables written before it read as 0).
 
+``chain_from_batch`` (optional, an int or null) is the padded batch from which the controller drafts a chain
+(k = 1) instead of the tree: at high concurrency a tree's k-wide depths and wide verifies cost more than its
+extra acceptance earns. It depends on the drafter's quality as well as on the hardware, so it is not derived
+from the times: ``tools/bench_controller.py`` measures it for a drafter (its ``chain_from_batch``, the
+concurrency from which the chain controller is at least as fast as the tree controller) and
+``torchspec-profile --chain-from-batch N`` records it. The engine uses it unless ``configure`` is given one.
+
 **Lookups** for a round at (batch, ctx): ``depth_ms`` -> [len(widths)], ``verify_ms`` ->
 [N_max + 1] indexed by node count 0..N_max, ``round_ms`` -> a 0-d time. A batch is rounded UP to the next measured padded batch
 (a larger one is a ValueError); between context buckets and between measured node counts the times
@@ -62,7 +69,7 @@ from torchspec.io import atomic_write_bytes, atomic_write_text
 
 TABLE_VERSION = 2
 TABLE_KEYS = ("version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "round_ms", "meta")
-OPTIONAL_KEYS = ("overhead_ms",)
+OPTIONAL_KEYS = ("overhead_ms", "chain_from_batch")
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class CostTable:
     round: torch.Tensor  # [C, B] ms, float64: a whole width-0 round (module docstring)
     meta: dict
     overhead: torch.Tensor | None = None  # [B] ms, float64: the host's time a round (module docstring); None: 0
+    chain_from_batch: int | None = None  # greedy rounds draft a chain from this many rows on (module docstring)
 
     def __post_init__(self) -> None:
         for name, low in (("widths", 1), ("nodes", 0), ("batches", 1), ("contexts", 1)):
@@ -142,6 +150,10 @@ class CostTable:
                 torch.isfinite(self.overhead).all() and (self.overhead >= 0).all()):
             raise ValueError(f"cost table overhead_ms={self.overhead.tolist()} must hold one time >= 0 a batch "
                              f"{self.batches}.")
+        if self.chain_from_batch is not None and (not isinstance(self.chain_from_batch, int)
+                                                  or isinstance(self.chain_from_batch, bool) or self.chain_from_batch < 1):
+            raise ValueError(f"cost table chain_from_batch={self.chain_from_batch!r} must be an int >= 1 or null (the "
+                             f"tree at every batch).")
 
     # --- lookups --------------------------------------------------------------------------------
 
@@ -182,7 +194,8 @@ class CostTable:
         return {"version": TABLE_VERSION, "key": asdict(self.key), "widths": self.widths, "nodes": self.nodes,
                 "batches": self.batches, "contexts": self.contexts, "depth_ms": _rounded(self.depth),
                 "verify_ms": _rounded(self.verify), "round_ms": _rounded(self.round[None])[0],
-                "overhead_ms": [round(float(t), 4) for t in self.overhead], "meta": self.meta}
+                "overhead_ms": [round(float(t), 4) for t in self.overhead], "chain_from_batch": self.chain_from_batch,
+                "meta": self.meta}
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "cost table") -> CostTable:
@@ -201,7 +214,7 @@ class CostTable:
             return cls(key=CostKey(**data["key"]), widths=data["widths"], nodes=data["nodes"],
                        batches=data["batches"], contexts=data["contexts"], depth=data["depth_ms"],
                        verify=data["verify_ms"], round=data["round_ms"], meta=dict(data["meta"]),
-                       overhead=data.get("overhead_ms"))
+                       overhead=data.get("overhead_ms"), chain_from_batch=data.get("chain_from_batch"))
         except (TypeError, ValueError) as err:
             raise ValueError(f"{source}: {' '.join(str(err).split())}") from err
 

@@ -119,7 +119,8 @@ class SpeculativeEngine:
         draws, at most ``concurrency`` (default ``max_batch``) requests running at once, and
         ``prefill_wait`` (None = unchanged; see ``__init__``). ``controller``: a measured cost table
         (``torchspec-profile``): greedy rounds then draft and verify what the draft controller chooses
-        within ``spec``'s shape, a chain from ``chain_from_batch`` rows on (``controlled_drafting.Controller``;
+        within ``spec``'s shape, a chain from ``chain_from_batch`` rows on (None: the table's rule, its
+        ``chain_from_batch``; a number above every batch: the tree throughout) (``controlled_drafting.Controller``;
         ``controller_mode`` "ahead": each round's shape planned by the previous one on the GPU, graphed;
         "within": decided after every depth on the host, without graphs; ``self.controller.trace`` holds each
         greedy round's (depths drafted, verified width)). Only between requests: refused while any is in flight."""
@@ -150,7 +151,8 @@ class SpeculativeEngine:
         if controller is not None:  # the drafter's calibration lives as long as its cost table (plain runs between)
             if self._calibrated is None or self._calibrated[0] is not controller:
                 self._calibrated = (controller, Calibration(self.device), None)
-            ctl = Controller(controller, spec, self._calibrated[1], chain_from_batch, controller_mode)
+            rule = controller.chain_from_batch if chain_from_batch is None else chain_from_batch
+            ctl = Controller(controller, spec, self._calibrated[1], rule, controller_mode)
             if self._calibrated[2] is not None:
                 ctl.continue_from(self._calibrated[2])
             self._calibrated = (controller, self._calibrated[1], ctl)

@@ -148,12 +148,15 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
         result.accept_lengths.append(sch.commit(i, tokens[:count]))  # a stop or the limit may cut the round
 
 
+STEADY = frozenset({"costs"})  # graph inputs a step only reads: copied when they change (graphs.StepGraphs.run)
+
+
 def run_graph(engine, key, step, args: dict, stateful: bool):
     """``graphs.run``; a hybrid target's graph, and a ``stateful`` round's (a controller's: its deferred drafter
     entries, the calibration's evidence), are captured on idle inputs (every row invalid), so the warm-up runs
     commit no state (``graphs.py``)."""
     idle = stateful or engine.caches.recurrent is not None
-    return engine.graphs.run(key, step, args, capture_inputs=_all_rows_invalid if idle else None)
+    return engine.graphs.run(key, step, args, capture_inputs=_all_rows_invalid if idle else None, steady=STEADY)
 
 
 def _all_rows_invalid(args: dict) -> dict:
