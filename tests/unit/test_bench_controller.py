@@ -143,3 +143,5 @@ def test_the_controller_rows_draft_chains_from_the_given_batch(tool, tmp_path):
     assert [rows[c]["controller_drafts"] for c in (1, 2)] == ["tree", "chain"]
     assert rows[2]["controller_chain_from_batch"] == 2
     assert all(w <= 3 for _, w, _ in rows[2]["decisions"])
+    data = json.loads(out.read_text())
+    assert "chain_from_batch" not in data and "rule was in effect" in data["chain_from_batch_note"]
