@@ -260,9 +260,9 @@ def bench(args) -> dict:
             print(format_row(rows[-1]), flush=True)
             print(format_kinds(rows[-1]), flush=True)
             out["rows"] = rows
-            if all(r["controller_drafts"] == "tree" for r in rows):  # a rule in effect: the tree was not timed there
+            if all(r["controller_drafts"] == "tree" for r in rows):
                 out["chain_from_batch"] = chain_from_batch(rows)
-            else:
+            else:  # a rule in effect at some level: the tree controller was not timed there
                 out.pop("chain_from_batch", None)
                 out["chain_from_batch_note"] = "not measured: a chain rule was in effect (run without one to measure it)"
             write(args.out, out)
