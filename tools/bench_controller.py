@@ -50,7 +50,6 @@ from torchspec.runtime.drafting import SpecConfig  # noqa: E402
 from torchspec.runtime.sampling import SamplingParams  # noqa: E402
 
 UNTRAINED_NOISE = 50.0  # eh_proj noise that leaves the controlled drafter agreeing with nothing
-WARM_RUNS = 4  # whole controller runs before timing, at most: until one captures no new graph (a planned shape)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,13 +213,10 @@ def bench(args) -> dict:
                           max_new=args.max_new_tokens, seed=args.seed, concurrency=c)
             for spec in [None, *shapes]:  # compiles, captures the graphs
                 engine.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c)
-            for spec in (controlled, chain):  # the graphs of its plans: whole runs until a run captures none new
-                for _ in range(WARM_RUNS if engine.graphs is not None else 0):
-                    before = len(engine.graphs)
+            for spec in (controlled, chain):  # a whole run each: its first round captures every shape it may plan
+                if engine.graphs is not None:  # (engine_forwards.capture_round_shapes); the calibration warms up
                     run(spec=spec, controller=table, controller_mode=mode,
                         chain_from_batch=args.chain_from_batch if spec is controlled else None)
-                    if len(engine.graphs) == before:
-                        break
             graphs_before = len(engine.graphs) if engine.graphs is not None else 0
             plain = run(spec=None)
             fixed = {_label(s): run(spec=s) for s in shapes}

@@ -32,9 +32,11 @@ from torchspec.runtime.cost_profile import profile_costs
 from torchspec.runtime.cost_table import device_name
 from torchspec.runtime.drafting import SpecConfig
 from torchspec.runtime.loading import load_engine
+from torchspec.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
+GREEDY = SamplingParams()
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +232,30 @@ def test_a_new_table_calibrates_a_new_calibration_in_new_graphs(pair, tiny_token
         seen.append(cal)
         assert float(cal.accepted) > 0 and float(cal.expected[0]) > 0  # this table's rounds fed this calibration
     assert seen[0] is not seen[1] and seen[0].serial != seen[1].serial
+
+
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_every_planned_round_is_captured_before_any_runs(pair, tiny_tokenizer, shape):
+    """``capture_controller_graphs`` captures, on idle rows, every round the controller may plan at the configured
+    batch (each depth and width, after deferred plain rounds or not, and the deferring plain round) for every
+    context bucket; the runs that follow -- whatever the table makes the controller choose -- capture nothing
+    more, and their greedy output is plain decoding's (the idle captures wrote nothing)."""
+    engine = engine_of(pair, cuda_graphs=True)
+    engine.runner.model.lm_head.weight.data.mul_(40.0)
+    ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "the cat sat", "alpha", "one")]
+    plain = engine.generate(ps, max_new_tokens=40, ignore_eos=True, concurrency=4)
+    spec = SpecConfig(shape=shape, depth=4, topk=3, num_nodes=12)
+    decisions = set()
+    for i, (depth_ms, per_node) in enumerate(((0.01, 100.0), (0.001, 0.001), (0.05, 0.02))):
+        costs = linear_table(engine, depth_ms, per_node, widths=[1, 3], nodes=[0, 1, 2, 4, 8, 12], noise=0.5)
+        engine.configure(spec=spec, controller=costs, concurrency=4)
+        captured = engine.capture_controller_graphs()
+        assert captured == len(engine.controller.round_shapes(GREEDY, 4, 0)) + (i == 0)  # + the deferring plain round
+        assert engine.capture_controller_graphs() == 0  # once per (batch, bucket, shape, calibration)
+        before = len(engine.graphs)
+        out = engine.generate(ps, max_new_tokens=40, spec=spec, ignore_eos=True, controller=costs, concurrency=4)
+        assert [r.token_ids for r in out] == [r.token_ids for r in plain], (depth_ms, per_node)
+        assert len(engine.graphs) == before, "a controlled run captured a graph it should have found captured"
+        decisions |= set(engine.controller.trace)
+    assert len(decisions) > 3 and not engine.graphs.failed
+    assert engine.free_pages == engine.total_pages

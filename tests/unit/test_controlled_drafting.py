@@ -544,3 +544,43 @@ def test_width_0_streaks_run_plain_rounds_and_catch_the_drafter_up_at_the_probe(
         engine.block_table[:2] = TRASH_PAGE
         for row in pages:
             engine.allocator.free(row)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)
+@pytest.mark.parametrize("chain_from_batch", [None, 2])
+def test_round_shapes_hold_every_round_the_controller_plans(engine, spec, chain_from_batch):
+    """``Controller.round_shapes`` (what the engine captures as CUDA graphs before a batch's first controlled round)
+    holds every (shape, plan, flush) that ``plan`` returns at that batch for any plan a round may write -- each
+    depth, each width (clamped to the spec and to an allowed width; probes of width-0 plans), after deferred plain
+    rounds or not -- and every sampled round's depth; it leaves the controller's host state as it was."""
+    from torchspec.runtime.controlled_drafting import PLAIN_ROUND, Controller
+    from torchspec.runtime.sampling import SamplingParams
+
+    ctl = Controller(table(engine, depth=0.05, verify_per_node=0.02), spec, Calibration(torch.device("cpu")),
+                     chain_from_batch)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8)
+    for batch in (1, 3):
+        state = (ctl.next_plan, ctl.plain_left, ctl.streak, ctl.deferred, list(ctl.trace), ctl.sampled_depth)
+        family = {(s, c.plan, c.flush) for s, c in ctl.round_shapes(greedy, batch, 40)}
+        assert state == (ctl.next_plan, ctl.plain_left, ctl.streak, ctl.deferred, ctl.trace, ctl.sampled_depth)
+        base = ctl.chain if chain_from_batch is not None and batch >= chain_from_batch else spec
+        assert all(s.shape == base.shape for s, _, _ in family)
+        assert len(family) <= 2 * spec.depth * (ctl._widths[-1] + 1)  # a few dozen graphs, not one per context
+        seen = set()
+        for depth in range(1, spec.depth + 3):
+            for width in range(0, 3 * spec.num_nodes):
+                for deferred in (False, True):
+                    ctl.next_plan, ctl.plain_left, ctl.deferred = (depth, width), 0, deferred
+                    shape, costs = ctl.plan(greedy, batch, 40 + width)
+                    assert costs.plan != PLAIN_ROUND  # plain_left = 0: a width-0 plan probes
+                    assert (shape, costs.plan, costs.flush) in family, (depth, width, deferred)
+                    seen.add((shape, costs.plan, costs.flush))
+        assert seen == family  # and nothing the controller never plans is captured
+        sampled_family = {(s, c.flush) for s, c in ctl.round_shapes(sampled, batch, 40)}
+        for depth in range(1, spec.depth + 1):
+            for deferred in (False, True):
+                ctl.sampled_depth, ctl.deferred = depth, deferred
+                shape, costs = ctl.plan(sampled, batch, 40)
+                assert (shape, costs.flush) in sampled_family
+    within = Controller(ctl.table, spec, ctl.calibration, chain_from_batch, mode="within")
+    assert within.round_shapes(greedy, 3, 40) == []  # "within" runs without graphs

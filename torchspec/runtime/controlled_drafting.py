@@ -224,8 +224,7 @@ class Controller:
         width as ``spec``'s depth and node count and in ``costs.plan``); a sampled tree drafts the depth the
         previous sampled round chose; deterministic candidates at T > 0 keep ``spec`` (no costs)."""
         if params.greedy:
-            chain = self.chain_from_batch is not None and batch >= self.chain_from_batch
-            base = self.chain if chain else self.spec
+            base = self._base(batch)
             if self.mode == "within":
                 return base, self._lookup(base, batch, ctx, sampled=False)
             depth = min(self.next_plan[0], base.depth)
@@ -243,17 +242,52 @@ class Controller:
             costs.plan = (depth, width)
             self._flush_if_deferred(costs)
             self.trace.append(costs.plan)
-            shape = self._shapes.get((base.shape, depth, width))
-            if shape is None:
-                shape = self._shapes[base.shape, depth, width] = dataclasses.replace(base, depth=max(depth, 1),
-                                                                                     num_nodes=max(width, 1))
-            return shape, costs
+            return self._shape(base, depth, width), costs
         if self.spec.sampled(params):
             self.sampled_depths.append(self.sampled_depth)
             costs = self._lookup(self.spec, batch, ctx, sampled=True)
             self._flush_if_deferred(costs)
             return dataclasses.replace(self.spec, depth=self.sampled_depth), costs
         return self.spec, None
+
+    def _base(self, batch: int) -> SpecConfig:
+        """A greedy round's spec at padded ``batch``: the chain from ``chain_from_batch`` rows on, else ``spec``."""
+        return self.chain if self.chain_from_batch is not None and batch >= self.chain_from_batch else self.spec
+
+    def _shape(self, base: SpecConfig, depth: int, width: int) -> SpecConfig:
+        """Ahead mode's shape of a planned (depth, width) of ``base``, built once (a graph key holds it)."""
+        shape = self._shapes.get((base.shape, depth, width))
+        if shape is None:
+            shape = self._shapes[base.shape, depth, width] = dataclasses.replace(base, depth=max(depth, 1),
+                                                                                 num_nodes=max(width, 1))
+        return shape
+
+    def round_shapes(self, params, batch: int, ctx: int) -> list[tuple[SpecConfig, RoundCosts]]:
+        """Every drafting round ``plan`` may return at padded ``batch`` for ``params``' kind of round (greedy:
+        each planned depth and allowed width, probes included; sampled: each depth), each with and without the
+        catch-up of deferred plain rounds (``flush``): what the engine captures as CUDA graphs before the first
+        such round runs (``engine_forwards.capture_round_shapes``), so no round of a run or of serving pays a
+        capture. Empty in "within" mode (no graphs) and for deterministic candidates at T > 0 (one shape). The
+        host's state (plans, streaks, trace) is left as it was."""
+        if self.mode != "ahead":
+            return []
+        out = []
+        if params.greedy:
+            base = self._base(batch)
+            costs = self._lookup(base, batch, ctx, sampled=False)
+            most = base.num_drafted(params)
+            for depth in range(1, base.depth + 1):
+                for width in (w for w in self._widths if 1 <= w <= min(most, base.proposed(depth))):
+                    for flush in (False, True):
+                        planned = dataclasses.replace(costs, plan=(depth, width), flush=flush, trace=[])
+                        out.append((self._shape(base, depth, width), planned))
+        elif self.spec.sampled(params):
+            costs = self._lookup(self.spec, batch, ctx, sampled=True)
+            for depth in range(1, self.spec.depth + 1):
+                for flush in (False, True):
+                    out.append((dataclasses.replace(self.spec, depth=depth),
+                                dataclasses.replace(costs, flush=flush, trace=[])))
+        return out
 
     def _probes(self) -> bool:
         """Whether a width-0 round probes (drafts depth 0 and decides again) or runs plainly; a probe starts the

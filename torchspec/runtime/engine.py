@@ -42,13 +42,13 @@ from torchspec.runtime.controlled_drafting import PROBE_MOST, Controller
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import SpecConfig
-from torchspec.runtime.engine_forwards import GREEDY, decode_round, prefill_forward
+from torchspec.runtime.engine_forwards import GREEDY, capture_round_shapes, decode_round, prefill_forward
 from torchspec.runtime.graphs import StepGraphs
 from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator, PagedKVCache, table_columns
 from torchspec.runtime.pending_drafter import PendingDrafter
 from torchspec.runtime.prefix_cache import TARGET_ONLY, WITH_DRAFTER, PrefixCache
 from torchspec.runtime.recurrent_state import RecurrentState
-from torchspec.runtime.sampling import SamplingParams
+from torchspec.runtime.sampling import RowSampling, SamplingParams
 from torchspec.runtime.scheduler import GenerationResult, Scheduler
 from torchspec.runtime.steps import Caches
 from torchspec.targets import TargetDecoder
@@ -103,6 +103,7 @@ class SpeculativeEngine:
         if cuda_graphs and dev.type != "cuda":
             raise ValueError("cuda_graphs=True needs the engine on a CUDA device.")
         self.graphs = StepGraphs() if cuda_graphs else None
+        self.captured_shapes: set[tuple] = set()  # the controller's round families captured (capture_round_shapes)
         self.decode_rounds = 0  # decode rounds run so far (batched: one per step with running rows)
         # per kind of round ("plain", "plain-deferring", "spec", a controller's "d<depth>w<width>"): [rounds, seconds]
         self.round_kinds: dict[str, list[float]] = {}
@@ -165,6 +166,32 @@ class SpeculativeEngine:
         self.generator.manual_seed(seed)
         if self.graphs is not None:  # graphed steps draw from the default CUDA generator
             torch.cuda.manual_seed(seed)
+
+    @torch.no_grad()
+    def capture_controller_graphs(self, up_to_context: int | None = None, sampling: SamplingParams | None = None) -> int:
+        """Capture now, on idle rows, the CUDA graph of every round the configured draft controller may run at the
+        configured concurrency, for rows of up to ``up_to_context`` tokens (default ``max_context``) and
+        ``sampling``'s kind of round (default greedy) -> graphs captured. A round captures the shapes of its
+        (batch, context bucket) before it runs anyway (``engine_forwards.capture_round_shapes``); a server calls
+        this after ``configure`` so that no request waits for a capture."""
+        if self.graphs is None or self.controller is None:
+            raise ValueError("capture_controller_graphs needs CUDA graphs and a controller: build the engine on a "
+                             "CUDA device and call configure(spec=..., controller=table) first.")
+        sampling = sampling or GREEDY
+        sampling.validate()
+        up_to = self.max_context if up_to_context is None else min(up_to_context, self.max_context)
+        batch = self.scheduler.concurrency
+        index = self.slot_ids[:batch]
+        params = GREEDY if sampling.greedy else RowSampling.of([sampling] * batch, self.device)
+        kind = "greedy" if sampling.greedy else "mixed-filtered" if params.filtered else "mixed"
+        captured, keys, last = 0, 1, self.table_columns_for(up_to + self._per_round(sampling.greedy))
+        while True:  # each power-of-two bucket of keys has its own table width (paged_kv.table_columns)
+            cols = self.table_columns_for(keys)
+            captured += capture_round_shapes(self, params, kind, index, self.block_table[index, :cols],
+                                             min(keys, up_to) - 1)
+            if cols >= last:
+                return captured
+            keys *= 2
 
     def drafter_changed(self) -> None:
         """The drafter's weights were replaced in place (another checkpoint in the same runner, a bench's next

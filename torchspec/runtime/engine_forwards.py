@@ -106,30 +106,19 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
     cols = engine.table_columns_for(longest + per_round)
     bt = engine.block_table[index, :cols]
     params = round_sampling(engine, rows, active, greedy)
-    generator = engine.generator if engine.graphs is None else None
+    kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
     costs = None
     if spec is not None and engine.controller is not None:  # the round's shape and costs at its batch and context
+        if engine.graphs is not None:  # every shape the controller may plan here, captured before any runs
+            capture_round_shapes(engine, params, kind, index, bt, longest)
         spec, costs = engine.controller.plan(params, len(active), longest)
     deferring = costs is not None and costs.plan == PLAIN_ROUND  # a controller's plain round: a plain step's inputs
-    if spec is None or deferring:
-        def step(bt, ctx, root, valid, slots, params):
-            if deferring:  # the drafter's entry waits for the next round that drafts (pending_drafter.py)
-                return plain_step_deferring_drafter(engine.decoder, engine.runner, engine.caches, bt, ctx, root, valid,
-                                                    slots)
-            return plain_step(engine.decoder, engine.caches, bt, ctx, root, valid, params, generator, slots=slots)
-        args = {"bt": bt, "ctx": ctx, "root": engine.root[index], "valid": valid, "slots": index, "params": params}
-        name, spec, costs = ("plain-deferring" if deferring else "plain"), None, None
-    else:
-        def step(inp, slots, params, costs):  # costs: graph inputs (the table's row for this batch and context)
-            return speculate(engine.decoder, engine.runner, engine.caches, inp, spec, params, generator, slots=slots,
-                             costs=costs)
-        args = {"inp": DraftInputs(root=engine.root[index], normed=engine.normed[index],
-                                   feedback=engine.feedback[index], ctx_len=ctx, block_table=bt, row_valid=valid),
-                "slots": index, "params": params, "costs": costs}
-        name = "spec"
+    if deferring:
+        spec, costs = None, None
+    name, step = round_step(engine, spec, costs, deferring)
+    args = round_args(engine, name, index, ctx, valid, bt, params, costs)
     label = name if costs is None else f"d{costs.plan[0]}w{costs.plan[1]}" if costs.plan is not None else "spec"
-    kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
-    key = (name, len(active), spec, kind, cols, costs and (costs.plan, costs.flush, costs.calibration.serial))
+    key = round_key(name, len(active), spec, kind, cols, costs)
     stateful = deferring or costs is not None  # deferred drafter entries, the calibration's evidence
     out = step(**args) if engine.graphs is None else run_graph(engine, key, step, args, stateful)
     store_round(engine, index, out)
@@ -146,6 +135,66 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
         result = s.request.result
         result.decode_s += dt
         result.accept_lengths.append(sch.commit(i, tokens[:count]))  # a stop or the limit may cut the round
+
+
+def round_step(engine, spec, costs, deferring: bool):
+    """(the round's name, its step function): a plain step ("plain"; "plain-deferring": a controller's plain
+    round, its drafter entry deferred to the next drafting round, ``pending_drafter.py``) or a round of
+    ``spec`` ("spec"; ``costs``: a controller's, graph inputs)."""
+    generator = engine.generator if engine.graphs is None else None  # graphed steps draw from the CUDA default
+    if spec is None or deferring:
+        def step(bt, ctx, root, valid, slots, params):
+            if deferring:
+                return plain_step_deferring_drafter(engine.decoder, engine.runner, engine.caches, bt, ctx, root, valid,
+                                                    slots)
+            return plain_step(engine.decoder, engine.caches, bt, ctx, root, valid, params, generator, slots=slots)
+        return ("plain-deferring" if deferring else "plain"), step
+
+    def step(inp, slots, params, costs):  # costs: graph inputs (the table's row for this batch and context)
+        return speculate(engine.decoder, engine.runner, engine.caches, inp, spec, params, generator, slots=slots,
+                         costs=costs)
+    return "spec", step
+
+
+def round_args(engine, name: str, index, ctx, valid, bt, params, costs) -> dict:
+    """The inputs of ``round_step``'s step over the rows ``index`` (committed ``ctx``, live ``valid``)."""
+    if name != "spec":
+        return {"bt": bt, "ctx": ctx, "root": engine.root[index], "valid": valid, "slots": index, "params": params}
+    return {"inp": DraftInputs(root=engine.root[index], normed=engine.normed[index], feedback=engine.feedback[index],
+                               ctx_len=ctx, block_table=bt, row_valid=valid),
+            "slots": index, "params": params, "costs": costs}
+
+
+def round_key(name: str, batch: int, spec, kind: str, cols: int, costs) -> tuple:
+    """A round's CUDA graph key: what its static shapes and captured addresses depend on."""
+    return name, batch, spec, kind, cols, costs and (costs.plan, costs.flush, costs.calibration.serial)
+
+
+def capture_round_shapes(engine, params, kind: str, index, bt, longest: int) -> int:
+    """Capture, once per (padded batch, kind of round, table columns, controller shape, calibration), the graph
+    of every round the draft controller may plan there (``Controller.round_shapes``, and a greedy plain round
+    deferring its drafter entry), on idle rows (nothing written): the rounds that follow only replay. Capturing
+    them as they were first planned put rare shapes' captures (~50 ms each) inside timed runs and served
+    requests (docs/results.md, twenty-second session). -> graphs captured now."""
+    ctl, batch, cols = engine.controller, index.shape[0], bt.shape[1]
+    base = ctl._base(batch) if params.greedy else ctl.spec
+    family = (batch, kind, cols, base, ctl.mode, ctl.calibration.serial)
+    if family in engine.captured_shapes:
+        return 0
+    engine.captured_shapes.add(family)
+    ctx = torch.zeros(batch, dtype=torch.long, device=engine.device)
+    valid = torch.zeros(batch, dtype=torch.bool, device=engine.device)
+    rounds = ctl.round_shapes(params, batch, longest)
+    if params.greedy and rounds:
+        rounds.append((None, None))  # the plain rounds of a width-0 plan
+    before = len(engine.graphs)
+    for spec, costs in rounds:
+        deferring = spec is None
+        name, step = round_step(engine, spec, costs, deferring)
+        key = round_key(name, batch, spec, kind, cols, costs)
+        if key not in engine.graphs:
+            engine.graphs.capture(key, step, round_args(engine, name, index, ctx, valid, bt, params, costs))
+    return len(engine.graphs) - before
 
 
 STEADY = frozenset({"costs"})  # graph inputs a step only reads: copied when they change (graphs.StepGraphs.run)

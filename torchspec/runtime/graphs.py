@@ -83,19 +83,9 @@ class StepGraphs:
         inputs the step only reads: one is copied into the graph only when its tensors are other
         objects than last time, or were written since (a controller's cost rows: the same kept
         tensors round after round, whose copies were ~2 launches and ~20 us of host time a round)."""
-        if key in self._failed:
-            return fn(**inputs)
-        entry = self._graphs.get(key)
+        entry = self._graphs.get(key) or self.capture(key, fn, inputs, capture_inputs)
         if entry is None:
-            try:
-                entry = self._capture(fn, capture_inputs(inputs) if capture_inputs is not None else inputs)
-            except Exception as e:  # noqa: BLE001 - any capture failure means: run this step eagerly
-                log.warning("CUDA graph capture failed for %s (%s: %s); running it eagerly.", key,
-                            type(e).__name__, e)
-                self._failed.add(key)
-                torch.cuda.synchronize()
-                return fn(**inputs)
-            self._graphs[key] = entry
+            return fn(**inputs)
         graph, static_in, static_out = entry
         for name, value in inputs.items():
             if name in steady:
@@ -106,6 +96,28 @@ class StepGraphs:
             _copy_into(static_in[name], value)
         graph.replay()
         return static_out
+
+    def __contains__(self, key) -> bool:
+        return key in self._graphs or key in self._failed
+
+    def capture(self, key, fn: Callable, inputs: dict, capture_inputs: Callable[[dict], dict] | None = None):
+        """Capture ``key``'s graph now, without replaying it (a draft controller's rounds are captured ahead of
+        the rounds that run them) -> its entry, or None where it cannot be captured (it then runs eagerly);
+        one already captured is kept."""
+        if key in self._failed:
+            return None
+        entry = self._graphs.get(key)
+        if entry is None:
+            try:
+                entry = self._capture(fn, capture_inputs(inputs) if capture_inputs is not None else inputs)
+            except Exception as e:  # noqa: BLE001 - any capture failure means: run this step eagerly
+                log.warning("CUDA graph capture failed for %s (%s: %s); running it eagerly.", key,
+                            type(e).__name__, e)
+                self._failed.add(key)
+                torch.cuda.synchronize()
+                return None
+            self._graphs[key] = entry
+        return entry
 
     def _capture(self, fn: Callable, inputs: dict):
         static_in = {name: _clone_tree(value) for name, value in inputs.items()}
