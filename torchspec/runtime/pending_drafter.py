@@ -18,6 +18,7 @@ the rounds that call it are captured in CUDA graphs like any other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -37,7 +38,17 @@ class PendingDrafter:
 
     def push(self, slots: torch.Tensor, tokens: torch.Tensor, aux: list[torch.Tensor], row_valid: torch.Tensor) -> None:
         """Defer one position a row: ``tokens`` [B] and ``aux`` A x [B, 1, H] at the rows' ``slots`` [B]; invalid
-        rows write where their next entry would go and count nothing."""
+        rows write where their next entry would go and count nothing. One kernel on CUDA (``pending_push_triton``),
+        else ``push_reference``; ``slots`` are distinct (the engine's rows are its slots)."""
+        kernel = _push_kernel() if tokens.is_cuda and len(aux) else None
+        if kernel is not None and len(aux) <= kernel.MOST_AUX:
+            kernel.push_triton(slots, tokens, aux, row_valid, self.count, self.tokens, self.aux)
+        else:
+            self.push_reference(slots, tokens, aux, row_valid)
+
+    def push_reference(self, slots: torch.Tensor, tokens: torch.Tensor, aux: list[torch.Tensor],
+                       row_valid: torch.Tensor) -> None:
+        """``push`` as tensor operations (~8 kernels on a GPU)."""
         at = self.count[slots].clamp(max=self.capacity - 1)  # the controller probes before a streak outgrows it
         self.tokens[slots, at] = tokens
         self.aux[:, slots, at] = torch.stack([states[:, 0] for states in aux]).to(self.aux.dtype)  # one write
@@ -54,6 +65,16 @@ class PendingDrafter:
     def reset(self, slots: torch.Tensor) -> None:
         """Forget what the ``slots`` deferred (a new request's prefill writes its drafter entries itself)."""
         self.count[slots] = 0
+
+
+@functools.cache
+def _push_kernel():
+    """The Triton push, or None where Triton is not installed (imported on first CUDA use only)."""
+    try:
+        from torchspec.runtime import pending_push_triton
+    except ImportError:
+        return None
+    return pending_push_triton
 
 
 def catch_up_pending(runner, caches, inp, slots: torch.Tensor):
