@@ -38,8 +38,8 @@ def test_the_kernel_writes_what_the_tensor_ops_write(num_aux, hidden, dtype, sta
         ref, got = twins(slots_total, 5, num_aux, hidden, dtype, seed)
         slots = torch.randperm(slots_total, device=CUDA, generator=g)[:rows]
         tokens = torch.randint(0, 1000, (rows,), device=CUDA, generator=g)
-        wide = torch.randn(rows, 2, 2 * hidden, device=CUDA, generator=g).to(state_dtype)
-        aux = [wide[:, :1, i::2][:, :, :hidden] if i % 2 else wide[:, 1:, :hidden] for i in range(num_aux)]  # strided
+        wide = torch.randn(rows, num_aux, 2 * hidden, device=CUDA, generator=g).to(state_dtype)
+        aux = [wide[:, i:i + 1, ::2] for i in range(num_aux)]  # strided: every other element, rows apart
         valid = torch.rand(rows, device=CUDA, generator=g) < 0.7
         ref.push_reference(slots, tokens, aux, valid)
         got.push(slots, tokens, aux, valid)
