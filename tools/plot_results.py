@@ -384,6 +384,8 @@ if __name__ == "__main__":
         plot_controller_decide(bench / "controller_decide_h200.json", img / "controller_decide_h200.png")
     if (bench / "controller_decide_h100_s20.json").exists():
         plot_controller_decide(bench / "controller_decide_h100_s20.json", img / "controller_decide_h100_s20.png")
-    if (bench / "controller_pair_smollm2_h100_s20_rows.json").exists():
-        plot_controller_pair(bench / "controller_pair_smollm2_h100_s20_rows.json", img / "controller_pair_h100_s20.png")
+    for session in ("s20", "s23"):
+        if (bench / f"controller_pair_smollm2_h100_{session}_rows.json").exists():
+            plot_controller_pair(bench / f"controller_pair_smollm2_h100_{session}_rows.json",
+                                 img / f"controller_pair_h100_{session}.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))

@@ -13,7 +13,7 @@ drafter's state current for the next round).
 the confidences just drawn would bias the output): each drafts the depth at which the *previous*
 sampled round's criterion stopped (``controller_policy.next_sampled_depth``; one level more when it
 never stopped, up to ``spec.depth``), starting from ``INITIAL_SAMPLED_DEPTH``. The criterion is
-evaluated after the round on its own tree (``sampled_go_flags``: each level's nodes scored by the
+evaluated after the round on its own tree (``sampled_depth.sampled_go_flags``: each level's nodes scored by the
 probability their draft distribution gave them) and verifies every drafted node, as the fixed sampled
 tree does. Rounds with deterministic candidates at T > 0 keep ``spec``'s fixed shape.
 
@@ -59,7 +59,6 @@ from torchspec.runtime.controller_policy import (
     RoundPlan,
     decide_after_depth,
     decide_every_depth,
-    next_sampled_depth,
     verify_width,
 )
 from torchspec.runtime.cost_table import CostTable
@@ -403,38 +402,6 @@ def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: Draft
     return pool.tree(inp.root, m)
 
 
-def sampled_go_flags(tree: DraftTree, depth: int, costs: RoundCosts, row_valid: torch.Tensor) -> torch.Tensor:
-    """The criterion after each of a sampled tree's ``depth`` levels, on the tree just drafted -> go flags
-    [depth] (bool, no host read): a node's confidence is the probability its parent's processed draft
-    distribution gave its token, cumulative along its path; levels beyond the table's are not evaluated."""
-    b, n = tree.tokens.shape
-    v = tree.dists.shape[-1]
-    parent = tree.parents.clamp(min=0)
-    row_of = tree.dist_index.gather(1, parent).clamp(min=0)  # [B, N] the parent's distribution row
-    q = tree.dists.reshape(b, -1).gather(1, row_of * v + tree.tokens)  # [B, N]
-    drafted = (tree.depths > 0) & tree.valid
-    edge = torch.where(drafted, torch.log(q.float()), float("-inf"))
-    cum = torch.where(drafted, edge, 0.0)
-    for _ in range(depth):  # pointer passes: after k, every node of depth <= k + 1 holds its path's sum
-        cum = torch.where(tree.depths > 1, edge + cum.gather(1, parent), cum)
-    cum = torch.where(drafted, cum, float("-inf"))
-    (alpha, scale), flags = costs.calibration.choice(), []
-    cum, edge = cum.double() * alpha, edge.double() * alpha  # the confidence as the calibration reads it
-    for level in range(1, min(depth, costs.depth_ms.shape[0]) + 1):
-        pool = torch.where(tree.depths <= level, cum, float("-inf"))[:, 1:]  # [B, N - 1] the levels so far
-        at = tree.depths[:, 1:] == level
-        front = torch.where(at, cum[:, 1:], float("-inf"))
-        decision = decide_after_depth(pool, front, torch.where(at, edge[:, 1:], float("-inf")), level - 1,
-                                      costs.depth_ms, costs.verify_ms, row_valid, scale)
-        flags.append(decision.go)
-    return torch.stack(flags)
-
-
-def next_depth_after_sampled(tree: DraftTree, depth: int, costs: RoundCosts, row_valid: torch.Tensor) -> torch.Tensor:
-    """The next sampled round's plan [2] int64 (its depth, 0) from this round's tree (module docstring)."""
-    next_depth = next_sampled_depth(sampled_go_flags(tree, depth, costs, row_valid), costs.max_sampled_depth)
-    return torch.stack([next_depth, torch.zeros_like(next_depth)])
-
-
 __all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Controller", "RoundCosts",
-           "check_table_for", "decide_every_depth_calibrated", "decide_how", "draft_ahead_tree", "draft_controlled_tree", "next_depth_after_sampled", "sampled_go_flags"]
+           "check_table_for", "decide_every_depth_calibrated", "decide_how", "draft_ahead_tree",
+           "draft_controlled_tree"]

@@ -37,7 +37,6 @@ from torchspec.runtime.controlled_drafting import (
     RoundCosts,
     draft_ahead_tree,
     draft_controlled_tree,
-    next_depth_after_sampled,
 )
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, draft_round
@@ -56,6 +55,7 @@ from torchspec.runtime.recurrent_state import (
     build_recurrent_meta,
     tree_level_widths,
 )
+from torchspec.runtime.sampled_depth import next_depth_after_sampled
 from torchspec.runtime.sampling import RowSampling, SamplingParams, process_logits, sample
 from torchspec.runtime.tree import DraftTree
 from torchspec.runtime.verify import verify_greedy, verify_sampling
