@@ -42,9 +42,15 @@ from torchspec.runtime.controlled_drafting import PROBE_MOST, Controller
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import SpecConfig
-from torchspec.runtime.engine_forwards import GREEDY, capture_round_shapes, decode_round, prefill_forward
+from torchspec.runtime.engine_forwards import (
+    GREEDY,
+    capture_round_shapes,
+    decode_round,
+    prefill_forward,
+    round_kind,
+)
 from torchspec.runtime.graphs import StepGraphs
-from torchspec.runtime.paged_kv import TRASH_PAGE, PageAllocator, PagedKVCache, table_columns
+from torchspec.runtime.paged_kv import MIN_TABLE_KEYS, TRASH_PAGE, PageAllocator, PagedKVCache, table_columns
 from torchspec.runtime.pending_drafter import PendingDrafter
 from torchspec.runtime.prefix_cache import TARGET_ONLY, WITH_DRAFTER, PrefixCache
 from torchspec.runtime.recurrent_state import RecurrentState
@@ -183,11 +189,10 @@ class SpeculativeEngine:
         batch = self.scheduler.concurrency
         index = self.slot_ids[:batch]
         params = GREEDY if sampling.greedy else RowSampling.of([sampling] * batch, self.device)
-        kind = "greedy" if sampling.greedy else "mixed-filtered" if params.filtered else "mixed"
-        captured, keys, last = 0, 1, self.table_columns_for(up_to + self._per_round(sampling.greedy))
-        while True:  # each power-of-two bucket of keys has its own table width (paged_kv.table_columns)
+        captured, keys, last = 0, MIN_TABLE_KEYS, self.table_columns_for(up_to + self._per_round(sampling.greedy))
+        while True:  # each power-of-two bucket of keys from the smallest has its own table width (table_columns)
             cols = self.table_columns_for(keys)
-            captured += capture_round_shapes(self, params, kind, index, self.block_table[index, :cols],
+            captured += capture_round_shapes(self, params, round_kind(params), index, self.block_table[index, :cols],
                                              min(keys, up_to) - 1)
             if cols >= last:
                 return captured

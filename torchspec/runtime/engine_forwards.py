@@ -106,7 +106,7 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
     cols = engine.table_columns_for(longest + per_round)
     bt = engine.block_table[index, :cols]
     params = round_sampling(engine, rows, active, greedy)
-    kind = "greedy" if greedy else "mixed-filtered" if params.filtered else "mixed"  # host-side, static
+    kind = round_kind(params)
     costs = None
     if spec is not None and engine.controller is not None:  # the round's shape and costs at its batch and context
         if engine.graphs is not None:  # every shape the controller may plan here, captured before any runs
@@ -135,6 +135,12 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
         result = s.request.result
         result.decode_s += dt
         result.accept_lengths.append(sch.commit(i, tokens[:count]))  # a stop or the limit may cut the round
+
+
+def round_kind(params) -> str:
+    """A round's kind of sampling in its graph key (host-side, static): every row greedy, or a mixed batch with or
+    without a top-k / top-p row."""
+    return "greedy" if params.greedy else "mixed-filtered" if params.filtered else "mixed"
 
 
 def round_step(engine, spec, costs, deferring: bool):
@@ -178,7 +184,7 @@ def capture_round_shapes(engine, params, kind: str, index, bt, longest: int) -> 
     requests (docs/results.md, twenty-second session). -> graphs captured now."""
     ctl, batch, cols = engine.controller, index.shape[0], bt.shape[1]
     base = ctl._base(batch) if params.greedy else ctl.spec
-    family = (batch, kind, cols, base, ctl.mode, ctl.calibration.serial)
+    family = (batch, kind, cols, base, ctl.calibration.serial)
     if family in engine.captured_shapes:
         return 0
     engine.captured_shapes.add(family)
