@@ -18,6 +18,12 @@ torch op or creates a process group, so each forked rank starts as clean as a sp
 Tests that need another heavy module (e.g. deepspeed) may add it to `PRELOAD`. Ranks inherit
 the environment the server started with (this process's at the first launch): pass anything set
 later (e.g. by monkeypatch.setenv) through ``env=``.
+
+Scripts (recipes) go through the same server: ``run_script(script, argv, nproc, env)`` is
+``python script argv`` (nproc 1) or ``torchrun --nproc_per_node=nproc script argv`` with the exit
+status, stdout and stderr of ``subprocess.run`` -- minus the import of torch + transformers + torchspec
+(~5 s of CPU) in every process. The script runs as ``__main__`` with its own folder first on
+``sys.path`` and exactly ``env`` as its environment, like a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ import importlib
 import multiprocessing as mp
 import os
 import pickle
+import runpy
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +42,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-PRELOAD = ["torch", "torch.distributed.tensor", "transformers", "torchspec.targets"]
+# recipes.train (all of torchspec), hydra (its compose API) and matplotlib (the run's plot): what run_script's
+# recipes import on top of the ranks' modules.
+PRELOAD = ["torch", "torch.distributed.tensor", "transformers", "torchspec.targets", "recipes.train",
+           "hydra", "hydra.core.override_parser.overrides_parser", "matplotlib", "matplotlib.figure"]
 GRACE_S = 2.0  # after the first failure, how long the other ranks get to report their own errors
 
 
@@ -165,3 +176,76 @@ def _child_main(work: str, env: dict[str, str]) -> None:
             f.write(traceback.format_exc())
         sys.stdout.flush()
         os._exit(1)  # no atexit/teardown: a peer may be stuck, and the parent reads error{rank}.txt
+
+
+# --- scripts: python / torchrun, forked from the server ------------------------------------------------
+
+
+def run_script(script: str | os.PathLike, argv: list[str], nproc: int = 1, env: dict[str, str] | None = None,
+               timeout_s: float = 600.0) -> subprocess.CompletedProcess:
+    """``python script *argv`` (nproc 1) or ``torchrun --nproc_per_node=nproc script *argv``: its exit status
+    (torchrun's: 1 if any rank failed), stdout and stderr (the ranks' in rank order). ``env``: the whole
+    environment (default: this process's). A rank that fails stops the others after ``GRACE_S``, as torchrun
+    does; past ``timeout_s`` every rank is killed and ``subprocess.TimeoutExpired`` raised."""
+    ctx, script = _context(), os.path.abspath(script)
+    env = dict(os.environ if env is None else env)
+    if nproc > 1:  # what torchrun's agent gives each worker
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                    "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0",
+                    "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"})
+        env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="torchspec-script-") as work:
+        procs = []
+        for rank in range(nproc):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)} if nproc > 1 else env
+            proc = ctx.Process(target=_script_main, args=(work, rank, script, list(argv), rank_env, os.getcwd()),
+                               name=f"rank{rank}", daemon=True)
+            proc.start()
+            procs.append(proc)
+        start, first_failure = time.monotonic(), None
+        try:
+            while any(p.exitcode is None for p in procs):
+                now = time.monotonic()
+                if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
+                    first_failure = now
+                if now - start > timeout_s:
+                    raise subprocess.TimeoutExpired([script, *argv], timeout_s)
+                if first_failure is not None and now - first_failure > GRACE_S:
+                    break
+                time.sleep(0.02)
+        finally:
+            for proc in procs:
+                if proc.exitcode is None:
+                    proc.kill()
+                proc.join()
+        codes = [proc.exitcode for proc in procs]
+        code = codes[0] if nproc == 1 else int(any(codes))
+
+        def read(name: str) -> str:  # a rank killed before it opened its files printed nothing
+            paths = [os.path.join(work, f"{name}{rank}") for rank in range(nproc)]
+            return "".join(open(p, "rb").read().decode(errors="replace") for p in paths if os.path.exists(p))
+        return subprocess.CompletedProcess([script, *argv], code, read("stdout"), read("stderr"))
+
+
+def _script_main(work: str, rank: int, script: str, argv: list[str], env: dict[str, str], cwd: str) -> None:
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        opened = os.open(os.path.join(work, f"{name}{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.chdir(cwd)  # the caller's, as a subprocess would inherit it (the server's may differ)
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+
+    if "OMP_NUM_THREADS" in env:  # read at torch's import in a fresh interpreter: the server imported it already
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise  # multiprocessing turns it into the exit status, as the interpreter does
+    except BaseException:
+        traceback.print_exc()  # the interpreter's report (multiprocessing would add a "Process rank0:" line)
+        raise SystemExit(1) from None

@@ -1,5 +1,10 @@
 """The training recipe end to end on a tiny target: loss falls, the run writes what it promises,
-and a run killed after a checkpoint resumes to exactly the uninterrupted trajectory (CPU, fp32)."""
+and a run killed after a checkpoint resumes to exactly the uninterrupted trajectory (CPU, fp32).
+
+Each run is ``python recipes/train.py ...`` with its own exit status, stdout and stderr, forked by
+``tests.distributed.launcher.run_script`` from a server that has torch + torchspec imported (~5 s of
+CPU per run saved); one test runs it as a fresh interpreter (``fresh_interpreter=True``), so a
+recipe that only works with those modules preloaded still fails here."""
 
 from __future__ import annotations
 
@@ -13,14 +18,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.distributed.launcher import run_script
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def run_recipe(out_dir: Path, target_dir: str, data_path: str, *extra: str, env_extra=None):
+def run_recipe(out_dir: Path, target_dir: str, data_path: str, *extra: str, env_extra=None, fresh_interpreter=False):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    script = REPO / "recipes" / "train.py"
     args = [
-        sys.executable, str(REPO / "recipes" / "train.py"),
         f"target.path={target_dir}", "target.dtype=float32", "target.aux_layer_ids=[1,3,5]",
         f"data.path={data_path}", "data.max_length=64", "data.eval_size=8", "data.max_conversations=null",
         f"train.output_dir={out_dir}", "train.max_steps=8", "train.micro_batch_size=4", "train.grad_accum=2",
@@ -28,7 +35,9 @@ def run_recipe(out_dir: Path, target_dir: str, data_path: str, *extra: str, env_
         "train.log_every=1", "train.save_every=4", "train.report_to=none", "train.plot=true",
         "train.num_threads=1", *extra,
     ]
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    if fresh_interpreter:
+        return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
+    return run_script(script, args, env=env, timeout_s=300)
 
 
 def read(path: Path) -> list[dict]:
@@ -206,7 +215,7 @@ def test_held_out_from_its_own_file_walks_servings_rounds(tmp_path, tiny_llama_d
     held_out = tmp_path / "heldout.jsonl"
     held_out.write_text("".join(json.dumps(c) + "\n" for c in make_conversations(5, seed=7)))
     run = run_recipe(tmp_path / "run", tiny_llama_dir, tiny_chat_jsonl, "train.max_steps=2", "train.plot=false",
-                     f"data.eval_path={held_out}", "data.eval_size=3")
+                     f"data.eval_path={held_out}", "data.eval_size=3", fresh_interpreter=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "data: 57 train / 3 held-out sequences; kept 57," in run.stdout + run.stderr  # 57 of 80 fit 64 tokens
     records = read(tmp_path / "run" / "metrics.jsonl")
