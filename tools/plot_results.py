@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
+from plot_controller_trained import plot_controller_trained  # noqa: E402
 from plot_quality import plot_quality_results  # noqa: E402
 
 
@@ -388,4 +389,6 @@ if __name__ == "__main__":
         if (bench / f"controller_pair_smollm2_h100_{session}_rows.json").exists():
             plot_controller_pair(bench / f"controller_pair_smollm2_h100_{session}_rows.json",
                                  img / f"controller_pair_h100_{session}.png")
+    if (bench / "controller_trained_smollm2_s24.json").exists():
+        plot_controller_trained(bench / "controller_trained_smollm2_s24.json", img / "controller_trained_s24.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))

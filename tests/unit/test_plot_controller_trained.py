@@ -1,0 +1,31 @@
+"""`tools/plot_controller_trained.py`: the measured and modeled panels from a JSON of that shape, and the committed
+twenty-fourth-session file still plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.tool_loader import load_tool
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_both_panels_plot_from_a_small_file(tmp_path):
+    tool = load_tool("plot_controller_trained")
+    row = {"label": "controller (runtime)", "speedup": 1.2, "acceptance": 1.7}
+    src = tmp_path / "trained.json"
+    src.write_text(json.dumps({"title": "t", "measured": {"device": "GPU", "rows": [row]},
+                               "modeled": {"device": "CPU", "rows": [dict(row, label="tree5x8x32")]}}))
+    out = tmp_path / "trained.png"
+    tool.plot_controller_trained(src, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_committed_results_plot(tmp_path):
+    tool = load_tool("plot_controller_trained")
+    src = REPO / "docs" / "bench" / "controller_trained_smollm2_s24.json"
+    data = json.loads(src.read_text())
+    assert {"label", "speedup", "acceptance"} <= set(data["measured"]["rows"][0])
+    tool.plot_controller_trained(src, tmp_path / "s24.png")
+    assert (tmp_path / "s24.png").stat().st_size > 10_000
