@@ -10,24 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from .launcher import run_script
+from .launcher import free_port, run_script
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 STEPS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(out: Path, target: str, data: str, nproc: int, *extra: str, env_extra=None, real_torchrun=False):
