@@ -10,7 +10,9 @@ Calibration's decayed sums -- any exponent and scale per rank bucket -- or not, 
 nodes, tied rates, every row dead, a width-0 table, the smallest exponent): the go flags, widths, the next
 round's plan and the verified nodes' expectation equal ``controller_policy.decide_every_depth`` on the
 path log-probabilities times the calibration's exponent (``Calibration.choice()``) and
-``reference_next_plan`` bit for bit, and the calibration's evidence ``Calibration.evidence``.
+``reference_next_plan`` bit for bit, and the calibration's evidence ``Calibration.evidence``; with an averaged plan
+table (``plan_averages``, half the random rounds and every edge case), the round's estimates, the table folded in
+place and the plan from it equal ``fold`` / ``plan_from`` and their references.
 """
 
 from __future__ import annotations
@@ -69,17 +71,36 @@ def _round(gen: torch.Generator, i: int, rows: int, k: int, drafted: int, sharp:
     return pools, sizes, torch.stack(fronts), torch.stack(edges), each_pool, front, edge
 
 
-def _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified):
+def _averages(gen: torch.Generator, depths: int, widths: int) -> torch.Tensor:
+    """A random averaged plan table (``plan_averages``): 1 to 8 tokens a row, a third of the entries never rated."""
+    from torchspec.runtime.controller_policy import PROB_ONE
+
+    table = torch.randint(PROB_ONE, 8 * PROB_ONE, (depths, widths), generator=gen)
+    return torch.where(torch.rand(depths, widths, generator=gen) < 0.33, -1, table)
+
+
+def _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified, averages=None):
+    """The fused decision against the tensor version; ``averages`` (a table or None): folded and planned from
+    by both (the tensor version as ``decide_every_depth_calibrated`` does it), the tables equal after."""
     from torchspec.runtime.controller_policy import decide_every_depth
     from torchspec.runtime.decide_triton import decide_every_depth_fused
+    from torchspec.runtime.plan_averages import fold, plan_from
 
     pools, fronts, edges, valid = pools.to(DEV), fronts.to(DEV), edges.to(DEV), valid.to(DEV)
     alpha, scale = (torch.tensor(1.0, dtype=torch.float64, device=DEV), None) if cal is None else cal.choice()
     children = (fronts.double() + edges.double()) * alpha
     want = decide_every_depth(pools.double() * alpha, sizes, children, depth_ms.to(DEV), verify_ms.to(DEV), valid,
                               scale, verified)
+    folded = in_place = None
+    if averages is not None:
+        folded, in_place = fold(averages.to(DEV), want.estimates), averages.clone().to(DEV)
+        depth, width = plan_from(folded, depth_ms.to(DEV), verify_ms.to(DEV))
+        want = want._replace(next_depth=depth, next_width=width)
     got, pending = decide_every_depth_fused(pools, sizes, fronts, edges, depth_ms.to(DEV), verify_ms.to(DEV), valid,
-                                            cal, verified)
+                                            cal, verified, in_place)
+    assert got.estimates.tolist() == want.estimates.tolist()
+    if averages is not None:
+        assert in_place.tolist() == folded.tolist()
     if cal is None:
         assert pending is None
     else:  # the calibration's evidence, under every exponent
@@ -93,6 +114,7 @@ def _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verif
 
 def test_random_rounds_decide_as_the_tensor_version_and_the_reference():
     from torchspec.runtime.controller_policy import reference_next_plan
+    from torchspec.runtime.plan_averages import reference_fold, reference_plan_from, reference_round_estimates
 
     gen = torch.Generator().manual_seed(7)
     seen_plan, seen_go, seen_alpha = set(), set(), set()
@@ -109,10 +131,15 @@ def test_random_rounds_decide_as_the_tensor_version_and_the_reference():
         sharp = float(torch.rand(1, generator=gen)) * 8
         pools, sizes, fronts, edges, each_pool, front, edge = _round(gen, i, rows, k, drafted, sharp)
         verified = int(torch.randint(0, min(pools.shape[1], n_max) + 1, (1,), generator=gen))
-        want, a, scale = _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified)
-        plan = reference_next_plan([[[x * a for x in row] for row in pool] for pool in each_pool],
-                                   (front.double() * a).tolist(), (edge.double() * a).tolist(), depth_ms.tolist(),
-                                   verify_ms.tolist(), valid.tolist(), scale)
+        averages = _averages(gen, d_max, n_max + 1) if i % 2 else None  # plans averaged, or the round's own
+        want, a, scale = _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified, averages)
+        args = ([[[x * a for x in row] for row in pool] for pool in each_pool], (front.double() * a).tolist(),
+                (edge.double() * a).tolist(), depth_ms.tolist(), verify_ms.tolist(), valid.tolist(), scale)
+        if averages is None:
+            plan = reference_next_plan(*args)
+        else:
+            folded = reference_fold(averages.tolist(), reference_round_estimates(*args))
+            plan = reference_plan_from(folded, depth_ms.tolist(), verify_ms.tolist())
         assert (int(want.next_depth), int(want.next_width)) == plan
         seen_plan.add(plan)
         seen_alpha.add(a)
@@ -121,8 +148,9 @@ def test_random_rounds_decide_as_the_tensor_version_and_the_reference():
     assert len(seen_alpha) >= 3  # the calibration's exponents, not only a = 1
 
 
+@pytest.mark.parametrize("averaged", [False, True])
 @pytest.mark.parametrize("case", ["minus_inf", "ties", "all_dead", "width_0_table", "smallest_exponent"])
-def test_edge_cases(case):
+def test_edge_cases(case, averaged):
     gen = torch.Generator().manual_seed(11)
     rows, k, drafted = 4, 3, 3
     pools, sizes, fronts, edges, *_ = _round(gen, 3, rows, k, drafted, 4.0)
@@ -146,7 +174,8 @@ def test_edge_cases(case):
     else:  # an underconfident drafter's evidence: path probabilities read as p^0.125
         cal = _calibration(gen, accepted=40.0)
         assert float(cal.choice()[0]) == 0.125
-    _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified)
+    averages = _averages(gen, depth_ms.shape[0], verify_ms.shape[0]) if averaged else None
+    _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified, averages)
 
 
 def test_sizes_that_do_not_grow_by_one_step_are_refused():

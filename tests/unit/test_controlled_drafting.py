@@ -306,25 +306,34 @@ def test_ahead_goes_deeper_where_depth_0_alone_does_not_pay(confident, plain, ti
     free: depth 0 alone is not worth verifying, a deeper round is. The probe's plan goes one depth deeper with
     the width the criterion predicted for that round (``RoundPlan.deeper_width``), not the width 0 of depth 0
     alone, which kept a drafter that pays from its second depth on in plain streaks for good; nor is a deep round
-    cut back to depth 1 after one hard first token (the first depth where the criterion stopped, planned before)."""
+    cut back to depth 1 after one hard first token (the first depth where the criterion stopped, planned before):
+    the plans only deepen, to the spec's depth."""
     cheap = table(confident, depth=1e-4, verify_per_node=1e-3)
     costs = dataclasses.replace(cheap, round=cheap.verify[..., 0] + 1.0)
     out, trace = run(confident, tiny_tokenizer, 1, SPECS[0], costs, "ahead")
     assert [r.token_ids for r in out] == [r.token_ids for r in plain[1]]
-    assert trace[0] == (1, 1) and all(d == SPECS[0].depth and w >= 4 for d, w in trace[3:]), trace  # 1, 2, 3, 4 deep
+    depths = [d for d, _ in trace]  # 1, 2, 3 (while the averaged table's depth-4 entries catch up), then 4
+    assert trace[0] == (1, 1) and depths == sorted(depths) and depths[-1] == SPECS[0].depth, trace
+    assert all(w >= 4 for _, w in trace[2:]), trace
     assert max(max(r.accept_lengths) for r in out) > 2
 
 
-def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_tokenizer, monkeypatch):
+@pytest.mark.parametrize("plans", ["average", "last"])
+def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_tokenizer, monkeypatch, plans):
     """Real rounds of a drafter: ahead mode's plan, evaluated after the round for every depth at once
-    (``decide_every_depth``), is the plain-Python reference's (``reference_next_plan``: the best-rated round
-    among the depths drafted and one more) on the pools the tree grew depth by depth, and the calibration's
-    evidence is ``expected_tokens`` of the verified nodes."""
+    (``decide_every_depth``), is the plain-Python reference's on the pools the tree grew depth by depth --
+    "last": ``reference_next_plan``, the best-rated round among the depths drafted and one more; "average"
+    (the default): ``reference_plan_from`` the averaged table after ``reference_fold`` of the round's
+    ``reference_round_estimates``, the table in the runtime equal to it -- and the calibration's evidence is
+    ``expected_tokens`` of the verified nodes."""
     import torchspec.runtime.controlled_drafting as cd
     import torchspec.runtime.steps as steps
     from torchspec.runtime.controller_policy import PROB_ONE, expected_tokens, reference_next_plan
     from torchspec.runtime.drafting import grow_dynamic_tree
+    from torchspec.runtime.plan_averages import PLANS_ENV, reference_fold, reference_plan_from, reference_round_estimates
     from torchspec.runtime.sampling import SamplingParams
+
+    monkeypatch.setenv(PLANS_ENV, plans)
 
     real, checked = cd.draft_ahead_tree, []
 
@@ -336,17 +345,25 @@ def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_to
             return (x.double() * a).tolist()
         for pool in grow_dynamic_tree(runner, cache, inp, spec, SamplingParams(), frontier_at_last=True):
             pools.append(read(torch.cat(pool.sc, 1)))
-        want = reference_next_plan(pools, read(pool.front_sc), read(pool.front_edge()), costs.depth_ms.tolist(),
-                                   costs.verify_ms.tolist(), inp.row_valid.tolist(), scale.tolist())
+        args = (read(pool.front_sc), read(pool.front_edge()), costs.depth_ms.tolist(), costs.verify_ms.tolist(),
+                inp.row_valid.tolist(), scale.tolist())
+        folded = None
+        if costs.averages is None:
+            want = reference_next_plan(pools, *args)
+        else:
+            folded = reference_fold(costs.averages.tolist(), reference_round_estimates(pools, *args))
+            want = reference_plan_from(folded, costs.depth_ms.tolist(), costs.verify_ms.tolist())
         live = int(inp.row_valid.sum()) * PROB_ONE
         drafted = [(int(expected_tokens(torch.cat(pool.sc, 1).double() * e, costs.plan[1], inp.row_valid)[-1]) - live)
                    / PROB_ONE for e in ALPHAS]  # the evidence under each exponent
-        return list(want), drafted
+        return list(want), drafted, folded
 
     def compared(runner, cache, inp, spec, costs):
-        want, pending = depth_by_depth(runner, cache, inp, spec, costs)
+        assert (costs.averages is None) == (plans == "last")
+        want, pending, folded = depth_by_depth(runner, cache, inp, spec, costs)
         tree, plan = real(runner, cache, inp, spec, costs)
         assert plan.tolist() == want and costs.calibration.pending[:, -1].tolist() == pending  # in all
+        assert folded is None or costs.averages.tolist() == folded
         checked.append(want)
         return tree, plan
 

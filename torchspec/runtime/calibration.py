@@ -23,6 +23,9 @@ rank_bucket``: 1, 2-3, 4-7, 8-15, 16-31, 32+): the verified nodes' expectation p
 path's nodes counted in their rank's bucket (``DraftTree.score_rank``); the exponent is chosen on the
 totals, and each bucket's ratio under it scales that bucket's nodes, shrunk towards the overall ratio where
 the bucket has little evidence (an untrained drafter's deep ranks, never verified, are not probed for it).
+
+The calibration also holds ahead mode's averaged plan tables (``averages_for``, ``plan_averages.py``): what
+recent rounds rated each (depth, width), which like the evidence lives as long as the drafter's cost table.
 """
 
 from __future__ import annotations
@@ -70,6 +73,16 @@ class Calibration:
         self._bucket_table = rank_buckets(BUCKET_TABLE, device)  # a rank's bucket in one gather
         # this round's expectations until its verification: [len(ALPHAS), RANK_BUCKETS + 1], by bucket then all
         self.pending: torch.Tensor | None = None
+        self._averages: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def averages_for(self, shape: str, depths: int, widths: int) -> torch.Tensor:
+        """The averaged plan table of greedy rounds of ``shape`` ("tree", "chain") with ``depths`` table depths and
+        ``widths`` verify widths (``plan_averages``): [depths, widths] int64, -1 until rated, made once (outside
+        any capture: ``RoundCosts`` lookups) and kept as long as the calibration, at one address for the graphs."""
+        key = (shape, depths, widths)
+        if key not in self._averages:
+            self._averages[key] = torch.full((depths, widths), -1, dtype=torch.long, device=self.state.device)
+        return self._averages[key]
 
     def choice(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the exponent, 0-d float64; the scales, [RANK_BUCKETS] int64 in units of SCALE_ONE), no host read: the

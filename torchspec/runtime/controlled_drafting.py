@@ -21,8 +21,10 @@ tree does. Rounds with deterministic candidates at T > 0 keep ``spec``'s fixed s
 round drafts its planned (depth, width) as a fixed shape (``grow_dynamic_tree(frontier_at_last=True)``), then
 evaluates the criterion at each of its depths on its own scores and plans the next round: among the depths
 drafted and one more (its children predicted as the go criterion predicts them), the (depth, width) of the
-highest expected tokens per ms (``decide_every_depth``: ``RoundPlan.next_depth``, ``next_width``; widths
-beyond ``DENSE_WIDTHS`` only where the table measured them). On CUDA that decision is one Triton kernel
+highest expected tokens per ms -- rated not on that round alone but on an average of recent rounds' ratings
+of every (depth, width), kept on the device (``plan_averages.py``; ``TORCHSPEC_CONTROLLER_PLANS=last``: the
+round's own, ``RoundPlan.next_depth``, ``next_width``) -- widths beyond ``DENSE_WIDTHS`` only where the table
+measured them. On CUDA that decision is one Triton kernel
 (``decide_triton.py``, bit for bit the tensor version's; ~70 small kernels cost as much as a draft depth).
 The plan is two ints in the round's output, read with the committed tokens in the round's one sync: the host
 never waits inside a round, and every planned shape is a static round that CUDA graphs capture. A planned
@@ -65,6 +67,7 @@ from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, TreePool, grow_dynamic_tree
 from torchspec.runtime.paged_kv import PagedKVCache
+from torchspec.runtime.plan_averages import fold, plan_from, plans_how
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.scheduler import host_to_device
 from torchspec.runtime.tree import DraftTree
@@ -99,6 +102,7 @@ class RoundCosts:
     trace: list[tuple[int, int]] = field(default_factory=list)
     max_sampled_depth: int = 0  # sampled rounds: the deepest they may grow (spec's depth)
     plan: tuple[int, int] | None = None  # ahead mode: this greedy round's (depths drafted, width verified)
+    averages: torch.Tensor | None = None  # ahead mode: the averaged plan table the round folds into (plan_averages)
     flush: bool = False  # the first round drafting after plain rounds: it catches the drafter up on them first
 
     @classmethod
@@ -181,6 +185,7 @@ class Controller:
         decide_how()  # a bad TORCHSPEC_CONTROLLER_DECIDE is refused at configure, not inside a round
         self.table, self.spec, self.calibration, self.chain_from_batch = table, spec, calibration, chain_from_batch
         self.mode = mode
+        self.plans = plans_how() if mode == "ahead" else None  # "average" (plan_averages.py) or "last"
         self.chain = dataclasses.replace(spec, shape="chain")
         self.trace: list[tuple[int, int]] = []
         self.sampled_depths: list[int] = []
@@ -201,7 +206,8 @@ class Controller:
         schedule of a plain streak and the sampled depth, when mode, spec and chain rule are the same. A fresh
         controller would start over with a probe and short streaks every call, as if nothing had been learnt
         about the drafter (the calibration, which is kept, already says what it is worth)."""
-        if (last.mode, last.spec, last.chain_from_batch) == (self.mode, self.spec, self.chain_from_batch):
+        if (last.mode, last.plans, last.spec, last.chain_from_batch) == (self.mode, self.plans, self.spec,
+                                                                        self.chain_from_batch):
             self.next_plan, self.plain_left, self.streak = last.next_plan, last.plain_left, last.streak
             self.sampled_depth = last.sampled_depth
 
@@ -215,6 +221,9 @@ class Controller:
             kept = self._costs[key] = (
                 RoundCosts.lookup_sampled(self.table, spec, batch, at, self.calibration) if sampled else
                 RoundCosts.lookup(self.table, spec, batch, at, self.calibration, measured_only=self.mode == "ahead"))
+            if not sampled and self.plans == "average":  # one table a drafted shape, shared by every batch and ctx
+                kept.averages = self.calibration.averages_for(spec.shape, kept.depth_ms.shape[0],
+                                                              kept.verify_ms.shape[0])
         return dataclasses.replace(kept, trace=self.trace)
 
     def plan(self, params, batch: int, ctx: int) -> tuple[SpecConfig, RoundCosts | None]:
@@ -347,7 +356,7 @@ def _decide_ahead(pool_logp: torch.Tensor, sizes: list[int], fronts: torch.Tenso
     p^a, scaled), and the evidence the ``m`` verified nodes expect (``calibration.pending``): on CUDA in one
     Triton launch with the calibration's choice and evidence (``decide_triton.py``; the same decisions bit for
     bit), else as tensor operations; ``TORCHSPEC_CONTROLLER_DECIDE=tensor`` forces the latter (to compare)."""
-    cal = costs.calibration
+    cal, averages = costs.calibration, costs.averages
     if decide_how() == "fused" and pool_logp.is_cuda and not _UNBUILT:
         from triton.errors import TritonError  # CUDA builds of torch ship Triton
 
@@ -355,28 +364,33 @@ def _decide_ahead(pool_logp: torch.Tensor, sizes: list[int], fronts: torch.Tenso
         if fused_sizes(sizes) is not None:
             try:  # built at the first call: a graph's warm-up, before any capture
                 plan, cal.pending = decide_every_depth_fused(pool_logp, sizes, fronts, edges, costs.depth_ms,
-                                                             costs.verify_ms, row_valid, cal, m)
+                                                             costs.verify_ms, row_valid, cal, m, averages)
                 return plan
             except (TritonError, RuntimeError) as e:  # cannot be built here (Triton's passes raise RuntimeError)
                 log.warning("the controller's decision kernel could not be built (%s: %s); deciding with tensor "
                             "operations instead (slower by ~0.15 ms a round).", type(e).__name__, e)
                 _UNBUILT.append(f"{type(e).__name__}: {e}")
     plan, cal.pending = decide_every_depth_calibrated(pool_logp, sizes, fronts, edges, costs.depth_ms, costs.verify_ms,
-                                                      row_valid, cal, m)
+                                                      row_valid, cal, m, averages)
     return plan
 
 
 def decide_every_depth_calibrated(pool_logp: torch.Tensor, sizes: list[int], fronts: torch.Tensor,
                                   edges: torch.Tensor, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
-                                  row_valid: torch.Tensor, cal: Calibration, verified: int
-                                  ) -> tuple[RoundPlan, torch.Tensor]:
+                                  row_valid: torch.Tensor, cal: Calibration, verified: int,
+                                  averages: torch.Tensor | None = None) -> tuple[RoundPlan, torch.Tensor]:
     """The tensor twin of ``decide_triton.decide_every_depth_fused`` (same arguments, same results): with the
     calibration's exponent and scale, ``decide_every_depth`` on the round's pool and its predicted children
-    (frontier path plus best edge), and the calibration's evidence -> (RoundPlan, evidence [len(ALPHAS)])."""
+    (frontier path plus best edge), and the calibration's evidence -> (RoundPlan, evidence [len(ALPHAS)]).
+    ``averages`` (the averaged plan table, ``plan_averages``): the round's estimates are folded into it in place
+    and the plan is the table's; None: the plan is the round's own."""
     alpha, scale = cal.choice()
     children = (fronts.double() + edges.double()) * alpha
     plan = decide_every_depth(pool_logp.double() * alpha, sizes, children, depth_ms, verify_ms, row_valid, scale,
                               verified)
+    if averages is not None:
+        averages.copy_(fold(averages, plan.estimates))
+        plan = plan._replace(**dict(zip(("next_depth", "next_width"), plan_from(averages, depth_ms, verify_ms))))
     return plan, cal.evidence(pool_logp, verified, row_valid)
 
 

@@ -211,6 +211,8 @@ class RoundPlan(NamedTuple):
     next_depth: torch.Tensor  # 0-d int64: the depths the next round drafts (ahead mode's plan)
     next_width: torch.Tensor  # 0-d int64: ... and the width it verifies
     drafted: torch.Tensor  # 0-d int64: the drafted tokens the ``verified`` best nodes expect, unscaled (fixed point)
+    estimates: torch.Tensor  # [T, N_max + 1] int64: tokens a live row expects of each (depths, width) the round
+    #                          estimated (the depths drafted and one more; fixed point), -1 where it estimated none
 
 
 def decide_every_depth(pool_logp: torch.Tensor, sizes: list[int], children_logp: torch.Tensor,
@@ -223,7 +225,8 @@ def decide_every_depth(pool_logp: torch.Tensor, sizes: list[int], children_logp:
     pool_logp [B, P] every node drafted, by depth (depth d's pool: the first ``sizes[d]`` columns); children_logp
     [D, B, F] the predicted child of each node of depth d's frontier (its path plus its last edge, in float64);
     ``verified``: the width the round verifies (``drafted``: what its nodes' confidence expects, unscaled, for
-    the calibration)."""
+    the calibration). ``estimates``: the expected tokens of every (depths, width) rated, per live row, which
+    ``plan_averages`` averages over rounds."""
     d, (b, p) = len(sizes), pool_logp.shape
     f = children_logp.shape[-1]
     if children_logp.shape != (d, b, f) or sizes[0] <= 0 or sorted(sizes) != sizes or sizes[-1] != p:
@@ -246,12 +249,13 @@ def decide_every_depth(pool_logp: torch.Tensor, sizes: list[int], children_logp:
         verify = _ns(verify_ms[: width + 1])  # [W + 1]
         cost = torch.cat([verify[:1].expand(d, 1), drafted_ns[:, None] + verify[1:]], 1)  # width 0: a plain round
         rate = tokens.double() / cost.double()
-        return torch.where(_below(width + 1, [w + 1 for w in widest], dev), rate, -1.0), unscaled
+        rated = _below(width + 1, [w + 1 for w in widest], dev)
+        return torch.where(rated, rate, -1.0), unscaled, torch.where(rated, tokens, -1)
 
     drafted_ns = torch.cumsum(_ns(depth_ms), 0)  # [T] ns of depths 0..t
-    rate, unscaled = rates(current, cur_w, [min(n_max, n) for n in sizes], drafted_ns[:d])
+    rate, unscaled, tokens = rates(current, cur_w, [min(n_max, n) for n in sizes], drafted_ns[:d])
     deeper_ns = torch.cat([drafted_ns, drafted_ns[-1:]])[1:d + 1]  # depths 0..d+1 (the table's last: never used)
-    deeper, _ = rates(grown, grown_w, [min(n_max, n + f) for n in sizes], deeper_ns)
+    deeper, _, grown_tokens = rates(grown, grown_w, [min(n_max, n + f) for n in sizes], deeper_ns)
     capped = torch.arange(d, device=dev) + 1 >= depth_ms.shape[0]  # the table's last depth never goes deeper
     go = (deeper.max(1).values > rate.max(1).values) & ~capped
     drafted = unscaled[-1, verified - 1] if verified > 0 else unscaled.new_zeros(())
@@ -260,7 +264,13 @@ def decide_every_depth(pool_logp: torch.Tensor, sizes: list[int], children_logp:
     options = torch.cat([rate.max(1).values, torch.where(capped[-1:], -1.0, deeper[-1:].max(1).values)])  # [D + 1]
     at = torch.argmax(options)  # the first maximum
     widths = torch.cat([torch.argmax(rate, 1), torch.argmax(deeper[-1:], 1)])  # [D + 1]
-    return RoundPlan(go, widths[:d], at + 1, widths.gather(0, at.view(1))[0], drafted)  # widths[at] would sync
+    rated = [tokens] + ([grown_tokens[-1:]] if d < depth_ms.shape[0] else [])  # the depths drafted, one more
+    rated = torch.cat([torch.nn.functional.pad(t, (0, n_max + 1 - t.shape[1]), value=-1) for t in rated])
+    rated = torch.nn.functional.pad(rated, (0, 0, 0, depth_ms.shape[0] - rated.shape[0]), value=-1)  # [T, N + 1]
+    live = row_valid.sum()
+    estimates = torch.where((rated >= 0) & (live > 0), rated // live.clamp(min=1), -1)  # per live row
+    return RoundPlan(go, widths[:d], at + 1, widths.gather(0, at.view(1))[0], drafted,  # widths[at] would sync
+                     estimates)
 
 
 def _below(n: int, limits: list[int], dev: torch.device) -> torch.Tensor:

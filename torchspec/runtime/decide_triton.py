@@ -49,6 +49,7 @@ from triton.language.extra import libdevice
 
 from torchspec.runtime.calibration import ALPHAS, Calibration
 from torchspec.runtime.controller_policy import NS_PER_MS, PROB_ONE, RANK_BUCKETS, SCALE_ONE, RoundPlan
+from torchspec.runtime.plan_averages import SHIFT
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROW_CHUNK = 8  # rows a program at most (the code is one chunk's: compiled in seconds at any batch)
@@ -173,20 +174,22 @@ def _rank_sums_kernel(
 @triton.jit
 def _plan_kernel(
     valid_ptr, depth_ms_ptr, verify_ms_ptr, accepted_ptr, accepted_rank_ptr, expected_ptr, limits_ptr, alphas_ptr,
-    sums_ptr, go_ptr, width_ptr, ints_ptr, pending_ptr,
+    sums_ptr, go_ptr, width_ptr, ints_ptr, pending_ptr, estimates_ptr, averages_ptr,
     B, F, T, NMAX, FIRST, STEP, VERIFIED, D,
     A: tl.constexpr, R: tl.constexpr, CALIBRATED: tl.constexpr, EXACT: tl.constexpr,
     RB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr, BR: tl.constexpr,
+    AVERAGED: tl.constexpr, SHIFT: tl.constexpr,
 ):
     """Pass 2, one program: from the batch's rank sums, every depth's rates, go flag and width, the next
-    round's plan, and the calibration's pending evidence."""
+    round's plan, the round's estimates per live row (AVERAGED: folded into the averaged table, which then
+    plans), and the calibration's pending evidence."""
     n = tl.arange(0, BG)  # a rank, and a width
     chunk = tl.arange(0, RB)
-    live_units = tl.zeros([], tl.int64)
+    live = tl.zeros([], tl.int64)
     for r0 in range(0, B, RB):  # every live row emits the target's token
         rows = r0 + chunk
-        live_units += tl.sum((tl.load(valid_ptr + rows, mask=rows < B, other=0) != 0).to(tl.int64), axis=0)
-    live_units = live_units * _PROB_ONE
+        live += tl.sum((tl.load(valid_ptr + rows, mask=rows < B, other=0) != 0).to(tl.int64), axis=0)
+    live_units = live * _PROB_ONE
     if CALIBRATED:
         a_idx = tl.arange(0, BA)
         r_idx = tl.arange(0, BR)
@@ -228,6 +231,28 @@ def _plan_kernel(
     more = (deeper > best_rate) & (D < T)  # one more depth than drafted (within the table), its children predicted
     best_depth = tl.where(more, D + 1, best_depth)
     best_width = tl.where(more, deeper_width, best_width)
+    avg_rate = tl.full([], -2.0, tl.float64)
+    for c in range(T):  # plan_averages: the round's estimates per live row (c < D: drafted; c == D: one more)
+        summed = tl.load(sums_ptr + tl.where(c < D, c, 2 * D - 1) * BG + n)
+        weighted = summed * rank_scale
+        tokens = live_units + (tl.cumsum(weighted, axis=0) - weighted) // _SCALE_ONE
+        size = tl.where(c < D, FIRST + STEP * c, FIRST + STEP * (D - 1) + F)
+        rated = (c <= D) & (n <= size) & (n <= NMAX) & (live > 0)
+        estimate = tl.where(rated, tokens // tl.maximum(live, 1), -1)
+        tl.store(estimates_ptr + c * (NMAX + 1) + n, estimate, mask=n <= NMAX)
+        if AVERAGED:  # fold, then rate every entry ever rated; the first maximum (shallower, then narrower) plans
+            old = tl.load(averages_ptr + c * (NMAX + 1) + n, mask=n <= NMAX, other=-1)
+            mixed = old - (old >> SHIFT) + (estimate >> SHIFT)
+            new = tl.where(estimate >= 0, tl.where(old >= 0, mixed, estimate), old)
+            tl.store(averages_ptr + c * (NMAX + 1) + n, new, mask=n <= NMAX)
+            drafted_ns = tl.sum(tl.where(t_idx <= c, depth_ns, 0), axis=0)
+            cost = tl.where(n == 0, verify_ns, drafted_ns + verify_ns)
+            rate = tl.where((new >= 0) & (n <= NMAX), new.to(tl.float64) / cost.to(tl.float64), -1.0)
+            top = tl.max(rate, axis=0)
+            better = top > avg_rate
+            best_depth = tl.where(better, c + 1, best_depth)
+            best_width = tl.where(better, tl.min(tl.where(rate == top, n, 1 << 30), axis=0), best_width)
+            avg_rate = tl.where(better, top, avg_rate)
     tl.store(ints_ptr, best_depth.to(tl.int64))
     tl.store(ints_ptr + 1, best_width.to(tl.int64))
     tl.store(ints_ptr + 2, tl.sum(tl.where(n == VERIFIED, unscaled, 0), axis=0))  # the last depth's; width 0: nothing
@@ -245,47 +270,52 @@ def fused_sizes(sizes: list[int]) -> tuple[int, int] | None:
 
 
 def kernel_variant(batch: int, first_step: tuple[int, int], frontier: int, table_depths: int,
-                   calibrated: bool) -> dict:
+                   calibrated: bool, averaged: bool = True, widths: int = 0) -> dict:
     """The kernels' compile-time arguments for a round (what a compiled variant is keyed by): the row chunk (the
     batch's power of two, at most ``ROW_CHUNK`` rows and ``CHUNK_NODES`` nodes) and blocks wide enough for the
-    table's deepest pool and its children (widths past a pool's size are never chosen, so the table's verify
-    widths need none), the table's depths (at least 8) and the exponents -- one variant per row chunk and
-    calibration a table, whatever the round's depth or batch."""
+    table's deepest pool and its children (widths past a pool's size are never rated, but the round's estimates
+    and an averaged table cover every one of the table's verify ``widths``: a runtime table has no more), the table's depths (at least 8) and the exponents, and whether plans come from the
+    averaged table (``plan_averages``) -- one variant per row chunk and calibration a table, whatever the
+    round's depth or batch."""
     first, step = first_step
-    columns = triton.next_power_of_2(first + step * (table_depths - 1) + frontier + 1)
+    columns = triton.next_power_of_2(max(first + step * (table_depths - 1) + frontier + 1, widths))
     rows = min(triton.next_power_of_2(batch), ROW_CHUNK, max(1, CHUNK_NODES // columns))
     return dict(A=len(ALPHAS), R=RANK_BUCKETS, CALIBRATED=calibrated, EXACT=not INTERPRET, RB=rows, BG=columns,
                 BT=max(8, triton.next_power_of_2(table_depths)), BA=triton.next_power_of_2(len(ALPHAS)),
-                BR=triton.next_power_of_2(RANK_BUCKETS), num_warps=4)
+                BR=triton.next_power_of_2(RANK_BUCKETS), AVERAGED=averaged, SHIFT=SHIFT, num_warps=4)
 
 
 def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_logp: torch.Tensor,
                              edge_logp: torch.Tensor, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
                              row_valid: torch.Tensor, calibration: Calibration | None,
-                             verified: int) -> tuple[RoundPlan, torch.Tensor | None]:
+                             verified: int, averages: torch.Tensor | None = None
+                             ) -> tuple[RoundPlan, torch.Tensor | None]:
     """In two launches (module docstring): with ``alpha, scale = calibration.choice()``, ``decide_every_depth(pool_logp.double() * alpha,
     sizes, (front_logp.double() + edge_logp.double()) * alpha, depth_ms, verify_ms, row_valid, scale, verified)``
     and ``calibration.evidence(pool_logp, verified, row_valid)`` -> (the RoundPlan, that evidence [A, R + 1]);
     ``calibration`` None: the confidence as is (exponent 1, no scale; evidence None). front_logp / edge_logp
     [D, B, F]: each depth's frontier paths and their best edges. Sizes must grow by one step (``fused_sizes``);
-    shapes are checked as the tensor version checks them."""
+    shapes are checked as the tensor version checks them. ``averages`` [T, N_max + 1] int64 (``plan_averages``):
+    the round's estimates are folded into it in place and the plan is the table's (``fold``, ``plan_from``)."""
     d, (b, p) = len(sizes), pool_logp.shape
     f = front_logp.shape[-1]
     t, n_max, dev = depth_ms.shape[0], verify_ms.shape[0] - 1, pool_logp.device
     first_step = fused_sizes(sizes)
     if (first_step is None or front_logp.shape != (d, b, f) or edge_logp.shape != (d, b, f) or sizes[-1] != p
-            or d > t or not 0 <= verified <= min(n_max, p)):
+            or d > t or not 0 <= verified <= min(n_max, p)
+            or (averages is not None and (averages.shape != (t, n_max + 1) or averages.dtype != torch.long))):
         raise ValueError(f"decide_every_depth_fused: sizes {sizes} (one step a depth, up to the pool's {p} nodes), "
                          f"frontier {tuple(front_logp.shape)} and edges {tuple(edge_logp.shape)} ([{d}, {b}, F]), "
-                         f"{t} table depths (>= {d}) and verified={verified} (<= {min(n_max, p)}) do not fit; use "
-                         f"decide_every_depth.")
+                         f"{t} table depths (>= {d}), verified={verified} (<= {min(n_max, p)}) and averages "
+                         f"(int64 [{t}, {n_max + 1}] or None) do not fit; use decide_every_depth.")
     go = torch.empty(d, dtype=torch.bool, device=dev)
     width = torch.empty(d, dtype=torch.long, device=dev)
     ints = torch.empty(3, dtype=torch.long, device=dev)  # next depth, next width, drafted
+    estimates = torch.empty(t, n_max + 1, dtype=torch.long, device=dev)
     a = len(ALPHAS)
     pending = torch.empty(a, RANK_BUCKETS + 1, dtype=torch.float64, device=dev)
     cal = calibration
-    meta = kernel_variant(b, first_step, f, t, cal is not None)
+    meta = kernel_variant(b, first_step, f, t, cal is not None, averages is not None, n_max + 1)
     state = ((cal.accepted, cal.accepted_by_rank, cal.expected_block, cal.limits, cal.alphas) if cal is not None
              else (pending,) * 5)
     jobs = 2 * d + (cal is not None)  # each depth's pool, each with its children, the calibration's evidence
@@ -294,9 +324,9 @@ def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_lo
         pool_logp.contiguous(), front_logp.contiguous(), edge_logp.contiguous(), row_valid, *state, sums,
         b, p, f, first_step[0], first_step[1], verified, d, **meta)
     _plan_kernel[(1,)](
-        row_valid, depth_ms, verify_ms, *state, sums, go, width, ints, pending,
-        b, f, t, n_max, first_step[0], first_step[1], verified, d, **meta)
-    return RoundPlan(go, width, ints[0], ints[1], ints[2]), pending if cal is not None else None
+        row_valid, depth_ms, verify_ms, *state, sums, go, width, ints, pending, estimates,
+        estimates if averages is None else averages, b, f, t, n_max, first_step[0], first_step[1], verified, d, **meta)
+    return RoundPlan(go, width, ints[0], ints[1], ints[2], estimates), pending if cal is not None else None
 
 
 __all__ = ["decide_every_depth_fused", "fused_sizes", "kernel_variant", "KERNELS"]

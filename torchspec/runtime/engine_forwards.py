@@ -173,7 +173,8 @@ def round_args(engine, name: str, index, ctx, valid, bt, params, costs) -> dict:
 
 def round_key(name: str, batch: int, spec, kind: str, cols: int, costs) -> tuple:
     """A round's CUDA graph key: what its static shapes and captured addresses depend on."""
-    return name, batch, spec, kind, cols, costs and (costs.plan, costs.flush, costs.calibration.serial)
+    return name, batch, spec, kind, cols, costs and (costs.plan, costs.flush, costs.calibration.serial,
+                                                     costs.averages is not None)  # plans averaged or the last's
 
 
 def capture_round_shapes(engine, params, kind: str, index, bt, longest: int) -> int:
@@ -184,7 +185,7 @@ def capture_round_shapes(engine, params, kind: str, index, bt, longest: int) -> 
     requests (docs/results.md, twenty-second session). -> graphs captured now."""
     ctl, batch, cols = engine.controller, index.shape[0], bt.shape[1]
     base = ctl._base(batch) if params.greedy else ctl.spec
-    family = (batch, kind, cols, base, ctl.calibration.serial)
+    family = (batch, kind, cols, base, ctl.calibration.serial, ctl.plans)
     if family in engine.captured_shapes:
         return 0
     engine.captured_shapes.add(family)

@@ -1,0 +1,120 @@
+"""Ahead-mode plans from an average of recent rounds' estimates: the draft controller's memory across rounds.
+
+Ahead mode plans each greedy round in the round before (``controlled_drafting``). Planned from that one round
+alone (``RoundPlan.next_depth``, ``next_width``: the best-rated among the depths it drafted and one more), the
+plan follows every dip of the drafter's confidence: one unconfident round plans a shallow or plain next round
+whatever the rounds before it said, and since a round that drafted d depths rates at most d + 1, the plan then
+climbs back one depth a round. With the trained SmolLM2 drafter on MT-Bench at c = 1 that cost most of the
+tree's speedup: x1.26 against the fixed tree's x1.36 on an H100, the calibration matching the accepted tokens
+(docs/results.md, twenty-fourth session).
+
+So every round's ratings are kept: ``RoundPlan.estimates`` [T, N_max + 1] holds the expected tokens a live
+row gets from each (depths, width) the round rated (the depths it drafted, and one more with its children
+predicted), and ``fold`` averages them into a table of the same shape that lives on the device across
+rounds -- each entry only by rounds that rated it, so a deep entry keeps what earlier rounds said while the
+plan is shallow:
+
+    average = estimate                                                   (the entry's first estimate)
+    average = average - (average >> SHIFT) + (estimate >> SHIFT)        (later: weight 2^-SHIFT to the newest)
+
+Integers throughout (fixed point, units of 1 / PROB_ONE token): the same table on every device and in the
+plain-Python reference. ``plan_from`` is the next round's plan: the (depths, width) of the highest expected
+tokens per ns among the entries ever rated, costed as ``decide_every_depth`` costs them (width 0: a plain
+round, ``verify_ms[0]``), the first maximum in (depths, width) order on a tie -- the shallower, then the
+narrower. ``SHIFT = 1`` (half to the newest round) rated best in a replay of the trained drafter's rounds in
+modeled time (``tools/replay_controller.py``, float weights): 1, 0.5 and 0.3 gave x1.23, x1.36 and x1.33 against
+the fixed tree's x1.26; an untrained drafter stayed plain (x0.99 at 0.3).
+
+The table is ``Calibration.averages_for``'s (one per drafted shape, kept as long as the calibration: CUDA graphs
+capture its address). On CUDA the fused decision (``decide_triton``) folds and plans in its plan kernel,
+bit for bit these functions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from torchspec.runtime.controller_policy import NS_PER_MS, _ns, reference_expected_tokens
+
+SHIFT = 1  # the newest round's weight in the average: 2^-SHIFT
+PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "average" (default) or "last": ahead mode's plan from the last round alone
+
+
+def plans_how() -> str:
+    """How ahead mode plans (``TORCHSPEC_CONTROLLER_PLANS``): "average" (the default) or "last" (to compare)."""
+    how = os.environ.get(PLANS_ENV, "average")
+    if how not in ("average", "last"):
+        raise ValueError(f"{PLANS_ENV}={how!r} is not a way to plan: set it to 'average' (the default) or 'last'.")
+    return how
+
+
+def fold(averages: torch.Tensor, estimates: torch.Tensor, shift: int = SHIFT) -> torch.Tensor:
+    """The table after a round: ``averages`` and ``estimates`` [T, N + 1] int64 (-1: none yet / not rated)."""
+    if averages.shape != estimates.shape or averages.dtype != torch.long or estimates.dtype != torch.long:
+        raise ValueError(f"fold: averages {tuple(averages.shape)} {averages.dtype} and estimates "
+                         f"{tuple(estimates.shape)} {estimates.dtype} must be int64 of one shape [T, N + 1].")
+    mixed = averages - (averages >> shift) + (estimates >> shift)
+    return torch.where(estimates >= 0, torch.where(averages >= 0, mixed, estimates), averages)
+
+
+def plan_from(averages: torch.Tensor, depth_ms: torch.Tensor, verify_ms: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next round's (depths, width), 0-d int64 tensors (no host read), from the averaged table [T, N + 1]."""
+    t, w = averages.shape
+    if depth_ms.shape != (t,) or verify_ms.shape != (w,):
+        raise ValueError(f"plan_from: averages {tuple(averages.shape)} need depth_ms [{t}] and verify_ms [{w}], got "
+                         f"{tuple(depth_ms.shape)} and {tuple(verify_ms.shape)}.")
+    verify = _ns(verify_ms)  # [W]
+    cost = torch.cumsum(_ns(depth_ms), 0)[:, None] + verify[None, :]  # [T, W] depths 0..c, then verify
+    cost = torch.cat([verify[:1].expand(t, 1), cost[:, 1:]], 1)  # width 0: a plain round, which drafts nothing
+    rate = torch.where(averages >= 0, averages.double() / cost.double(), -1.0)
+    at = torch.argmax(rate.flatten())  # the first maximum: the shallower, then the narrower
+    return at // w + 1, at % w
+
+
+# --- CPU reference: plain Python over floats and ints, written apart from the tensor code above ---
+
+def reference_round_estimates(pools: list[list[list[float]]], frontier: list[list[float]],
+                              frontier_edge: list[list[float]], depth_ms: list[float], verify_ms: list[float],
+                              row_valid: list[bool], scale: int | list[int] | None = None) -> list[list[int]]:
+    """``RoundPlan.estimates``: ``pools[d]`` the pool after depth d (scores as the calibration reads them),
+    ``frontier`` / ``frontier_edge`` those of the last depth drafted."""
+    n_max, live = len(verify_ms) - 1, sum(row_valid)
+    rated = list(pools)
+    if len(pools) < len(depth_ms):  # one more depth, its children predicted
+        rated.append([row + [c + e for c, e in zip(cs, es)] for row, cs, es in zip(pools[-1], frontier, frontier_edge)])
+    out = []
+    for c in range(len(depth_ms)):
+        row = [-1] * (n_max + 1)
+        if c < len(rated) and live:
+            for n, tokens in enumerate(reference_expected_tokens(rated[c], n_max, row_valid, scale)):
+                row[n] = tokens // live
+        out.append(row)
+    return out
+
+
+def reference_fold(averages: list[list[int]], estimates: list[list[int]], shift: int = SHIFT) -> list[list[int]]:
+    def one(a: int, e: int) -> int:
+        if e < 0:
+            return a
+        return e if a < 0 else a - (a >> shift) + (e >> shift)
+    return [[one(a, e) for a, e in zip(ra, re)] for ra, re in zip(averages, estimates)]
+
+
+def reference_plan_from(averages: list[list[int]], depth_ms: list[float], verify_ms: list[float]) -> tuple[int, int]:
+    best, best_rate, drafted = (1, 0), -1.0, 0
+    for c, row in enumerate(averages):
+        drafted += round(depth_ms[c] * NS_PER_MS)
+        for n, tokens in enumerate(row):
+            if tokens < 0:
+                continue
+            rate = tokens / ((0 if n == 0 else drafted) + round(verify_ms[n] * NS_PER_MS))
+            if rate > best_rate:  # strict: a tie keeps the shallower, then the narrower
+                best, best_rate = (c + 1, n), rate
+    return best
+
+
+__all__ = ["PLANS_ENV", "SHIFT", "fold", "plan_from", "plans_how", "reference_fold", "reference_plan_from",
+           "reference_round_estimates"]
