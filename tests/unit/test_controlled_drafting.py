@@ -330,7 +330,12 @@ def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_to
     import torchspec.runtime.steps as steps
     from torchspec.runtime.controller_policy import PROB_ONE, expected_tokens, reference_next_plan
     from torchspec.runtime.drafting import grow_dynamic_tree
-    from torchspec.runtime.plan_averages import PLANS_ENV, reference_fold, reference_plan_from, reference_round_estimates
+    from torchspec.runtime.plan_averages import (
+        PLANS_ENV,
+        reference_fold,
+        reference_plan_from,
+        reference_round_estimates,
+    )
     from torchspec.runtime.sampling import SamplingParams
 
     monkeypatch.setenv(PLANS_ENV, plans)
