@@ -20,9 +20,9 @@ table is eager-timed (``"cuda_graphs"`` in the JSON says which): compare rows of
 JSON, atomic, rewritten after each row) hold ``drafter, target, mode, concurrency, temperature, speedup,
 acceptance``, the best fixed shape and its speedup beside the controller's, the controller's (depth, width)
 decisions, the graphs its timed runs still had to capture (planned shapes the warm-up runs never saw: each
-capture is in the timing), the same controller drafting a chain (k = 1), and with ``--last-plans`` the controller
-planning each round from the last round alone (``last_plans_speedup``; the default plans from an average of
-recent rounds, ``torchspec/runtime/plan_averages.py``); ``chain_from_batch`` per drafter is the
+capture is in the timing), the same controller drafting a chain (k = 1), and with ``--also-plans`` the controller
+planning its rounds the other way too (``also_plans_speedup``: "average", from recent rounds' ratings,
+``torchspec/runtime/plan_averages.py``, or "last", the last round's alone; ``plans``: the runtime's default); ``chain_from_batch`` per drafter is the
 concurrency from which the chain wins (the engine's ``chain_from_batch``: the table the issue asks to
 measure per setup).
 
@@ -51,7 +51,7 @@ from recipes.bench import csv_values, measure, paired_fields, paired_timings  # 
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig  # noqa: E402
-from torchspec.runtime.plan_averages import PLANS_ENV  # noqa: E402
+from torchspec.runtime.plan_averages import PLANS_ENV, plans_how  # noqa: E402
 from torchspec.runtime.sampling import SamplingParams  # noqa: E402
 
 UNTRAINED_NOISE = 50.0  # eh_proj noise that leaves the controlled drafter agreeing with nothing
@@ -82,9 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "chain_from_batch; the tree throughout if it has none); the 'as a chain' rows always do")
     p.add_argument("--controller-mode", default="ahead", choices=["ahead", "within"],
                    help="ahead: planned a round before, with CUDA graphs; within: per depth on the host, no graphs")
-    p.add_argument("--last-plans", action="store_true",
-                   help="ahead mode: also time the controller planning each round from the last round alone "
-                        "(TORCHSPEC_CONTROLLER_PLANS=last) beside the default averaged plans (plan_averages.py)")
+    p.add_argument("--also-plans", choices=["average", "last"], default=None,
+                   help="ahead mode: also time the controller with these plans (TORCHSPEC_CONTROLLER_PLANS: "
+                        "'average', from recent rounds' ratings, plan_averages.py; 'last', the last round's alone) "
+                        "beside the runtime's default")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -221,9 +222,9 @@ def bench(args) -> dict:
                           max_new=args.max_new_tokens, seed=args.seed, concurrency=c)
             for spec in [None, *shapes]:  # compiles, captures the graphs
                 engine.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c)
-            for spec, plans in ((controlled, "average"), (chain, "average"), (controlled, "last")):
-                if engine.graphs is not None and (plans == "average" or args.last_plans):  # a whole run each: its
-                    with plans_env(plans):  # first round captures every shape it may plan (capture_round_shapes)
+            for spec, plans in ((controlled, None), (chain, None), (controlled, args.also_plans)):
+                if engine.graphs is not None and (spec is chain or plans == args.also_plans):  # a whole run each:
+                    with plans_env(plans):  # its first round captures every shape it may plan (capture_round_shapes)
                         run(spec=spec, controller=table, controller_mode=mode,
                             chain_from_batch=args.chain_from_batch if spec is controlled else None)
             graphs_before = len(engine.graphs) if engine.graphs is not None else 0
@@ -240,11 +241,11 @@ def bench(args) -> dict:
             paired_chain = paired_timings(partial(run, spec=None),
                                           partial(controller_run, run, engine, chain, table, mode, chain_decisions),
                                           args.repeats)
-            last = Counter()
-            if args.last_plans:
-                with plans_env("last"):
-                    paired_last = paired_timings(partial(run, spec=None), partial(controller_run, ctl_run, engine,
-                                                 controlled, table, mode, last), args.repeats)
+            also = Counter()
+            if args.also_plans:
+                with plans_env(args.also_plans):
+                    paired_also = paired_timings(partial(run, spec=None), partial(controller_run, ctl_run, engine,
+                                                 controlled, table, mode, also), args.repeats)
             rule = table.chain_from_batch if args.chain_from_batch is None else args.chain_from_batch
             rows.append({"drafter": name, "target": target, "mode": "controller", "concurrency": c, "temperature": 0.0,
                          **paired_fields(paired_ctl), "acceptance": paired_ctl["spec"]["mean_acceptance"],
@@ -262,10 +263,12 @@ def bench(args) -> dict:
                          "plain_round_kinds": paired_ctl["plain"]["round_kinds"],
                          "round_kinds": paired_ctl["spec"]["round_kinds"],
                          "chain_round_kinds": paired_chain["spec"]["round_kinds"],
-                         **({"last_plans_speedup": paired_last["speedup"],
-                             "last_plans_acceptance": paired_last["spec"]["mean_acceptance"],
-                             "last_plans_decisions": [[d, w, n] for (d, w), n in sorted(last.items())],
-                             "last_plans_round_kinds": paired_last["spec"]["round_kinds"]} if args.last_plans else {}),
+                         "plans": plans_how(),
+                         **({"also_plans": args.also_plans, "also_plans_speedup": paired_also["speedup"],
+                             "also_plans_speedup_repeats": paired_also["speedup_repeats"],
+                             "also_plans_acceptance": paired_also["spec"]["mean_acceptance"],
+                             "also_plans_decisions": [[d, w, n] for (d, w), n in sorted(also.items())],
+                             "also_plans_round_kinds": paired_also["spec"]["round_kinds"]} if args.also_plans else {}),
                          "graphs_failed": sorted(map(str, engine.graphs.failed)) if engine.graphs is not None else [],
                          "graphs_captured_while_timed": (len(engine.graphs) - graphs_before
                                                          if engine.graphs is not None else 0),
@@ -284,9 +287,12 @@ def bench(args) -> dict:
 
 
 @contextlib.contextmanager
-def plans_env(plans: str):
-    """Ahead mode's plans ("average", the default, or "last": ``plan_averages.PLANS_ENV``) for the runs inside."""
+def plans_env(plans: str | None):
+    """Ahead mode's plans ("average" or "last": ``plan_averages.PLANS_ENV``; None: as set) for the runs inside."""
     before = os.environ.get(PLANS_ENV)
+    if plans is None:
+        yield
+        return
     os.environ[PLANS_ENV] = plans
     try:
         yield
@@ -325,8 +331,8 @@ def format_row(r: dict) -> str:
             f"{r['acceptance']:.2f}), as a chain x{r['chain_controller_speedup']:.2f}  best fixed {r['best_fixed']} "
             f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}  graphs captured while timed "
             f"{r['graphs_captured_while_timed']}" + (f"  EAGER (capture failed): {r['graphs_failed']}" if r["graphs_failed"] else "")
-            + (f"  last-round plans x{r['last_plans_speedup']:.2f} (acceptance {r['last_plans_acceptance']:.2f})"
-               if "last_plans_speedup" in r else ""))
+            + (f"  plans {r['also_plans']} x{r['also_plans_speedup']:.2f} (acceptance {r['also_plans_acceptance']:.2f})"
+               if "also_plans_speedup" in r else ""))
 
 
 def format_kinds(r: dict) -> str:

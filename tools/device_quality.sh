@@ -328,8 +328,8 @@ controller)
   # from an earlier call, same key). CSTEP=pair: the controlled pair at CSHAPE (default
   # qwen3-8b), drafters CNOISE (default 0.0,untrained; CNUM prompts a timed run, 8; a shorter sweep, CCHAINS 1,3,5 and CTREES: an 8B step is
   # ~7x SmolLM2's; CCOSTS: a table measured in an earlier call, e.g. docs/bench/controller_pair_smollm2_h200_s17.costs.json
-  # for CSHAPE=smollm2-135m). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request; CLAST=1: also the
-  # controller planning from the last round alone (--last-plans); CTAG: a suffix of the result files (calls that
+  # for CSHAPE=smollm2-135m). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request; CALSO=average|last:
+  # also the controller planning that way (--also-plans); CTAG: a suffix of the result files (calls that
   # split the levels).
   if [ "${CSTEP:-smollm2}" = smollm2 ]; then
     join_target
@@ -339,7 +339,7 @@ controller)
       timeout $(( $(left) - ${PROFILE_S:-90} )) python3 tools/bench_controller.py --target "$W/smollm2.gguf" \
         --cache-dir "$W/cache" --drafter "$name=$drafter" ${costs:+--costs "$costs"} --prompt-set mtbench --num-prompts "${CNUM:-16}" \
         --prompt-len 256 --max-new-tokens "${CNEW:-128}" --concurrency "${CCONC:-1,8,64}" \
-        --chains "${CCHAINS:-1,2,3,4,5,6}" --trees "${CTREES:-3x4x8,4x4x16,5x8x32}" ${CLAST:+--last-plans} \
+        --chains "${CCHAINS:-1,2,3,4,5,6}" --trees "${CTREES:-3x4x8,4x4x16,5x8x32}" ${CALSO:+--also-plans $CALSO} \
         --out "$RES/controller_${name}${CTAG:-}_h200.json" > "$RES/controller_$name${CTAG:-}.log" 2>&1
       grep " c=" "$RES/controller_$name${CTAG:-}.log"
       [ -n "$costs" ] || costs=$(ls "$RES/controller_${name}${CTAG:-}_h200.costs.json" 2>/dev/null)  # measured once a lease

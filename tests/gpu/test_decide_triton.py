@@ -94,8 +94,8 @@ def _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verif
     folded = in_place = None
     if averages is not None:
         folded, in_place = fold(averages.to(DEV), want.estimates), averages.clone().to(DEV)
-        depth, width = plan_from(folded, depth_ms.to(DEV), verify_ms.to(DEV))
-        want = want._replace(next_depth=depth, next_width=width)
+        fields = ("next_depth", "next_width", "probe_depth", "probe_width")
+        want = want._replace(**dict(zip(fields, plan_from(folded, depth_ms.to(DEV), verify_ms.to(DEV)))))
     got, pending = decide_every_depth_fused(pools, sizes, fronts, edges, depth_ms.to(DEV), verify_ms.to(DEV), valid,
                                             cal, verified, in_place)
     assert got.estimates.tolist() == want.estimates.tolist()
@@ -108,6 +108,7 @@ def _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verif
     assert got.go.tolist() == want.go.tolist()
     assert got.width.tolist() == want.width.tolist()
     assert (int(got.next_depth), int(got.next_width)) == (int(want.next_depth), int(want.next_width))
+    assert (int(got.probe_depth), int(got.probe_width)) == (int(want.probe_depth), int(want.probe_width))
     assert int(got.drafted) == int(want.drafted)
     return want, float(alpha), None if scale is None else scale.tolist()
 
@@ -140,6 +141,8 @@ def test_random_rounds_decide_as_the_tensor_version_and_the_reference():
         else:
             folded = reference_fold(averages.tolist(), reference_round_estimates(*args))
             plan = reference_plan_from(folded, depth_ms.tolist(), verify_ms.tolist())
+            assert (int(want.probe_depth), int(want.probe_width)) == plan[2:]
+            plan = plan[:2]
         assert (int(want.next_depth), int(want.next_width)) == plan
         seen_plan.add(plan)
         seen_alpha.add(a)

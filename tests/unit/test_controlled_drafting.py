@@ -301,20 +301,27 @@ def test_ahead_rounds_draft_what_the_round_before_planned(confident, plain, tiny
     assert max(d for d, _ in trace) >= 3 and max(w for _, w in trace) >= 4, trace
 
 
-def test_ahead_goes_deeper_where_depth_0_alone_does_not_pay(confident, plain, tiny_tokenizer):
+@pytest.mark.parametrize("plans", ["last", "average"])
+def test_ahead_goes_deeper_where_depth_0_alone_does_not_pay(confident, plain, tiny_tokenizer, monkeypatch, plans):
     """A round's depth 0 dear (the whole width-0 round 1 ms over a plain step), every later depth and node nearly
     free: depth 0 alone is not worth verifying, a deeper round is. The probe's plan goes one depth deeper with
     the width the criterion predicted for that round (``RoundPlan.deeper_width``), not the width 0 of depth 0
     alone, which kept a drafter that pays from its second depth on in plain streaks for good; nor is a deep round
     cut back to depth 1 after one hard first token (the first depth where the criterion stopped, planned before):
-    the plans only deepen, to the spec's depth."""
+    the plans only deepen, to the spec's depth (averaged plans more slowly: the depth-4 entries catch up with
+    the optimistic first ratings of depth 3)."""
+    from torchspec.runtime.plan_averages import PLANS_ENV
+
+    monkeypatch.setenv(PLANS_ENV, plans)
     cheap = table(confident, depth=1e-4, verify_per_node=1e-3)
     costs = dataclasses.replace(cheap, round=cheap.verify[..., 0] + 1.0)
     out, trace = run(confident, tiny_tokenizer, 1, SPECS[0], costs, "ahead")
     assert [r.token_ids for r in out] == [r.token_ids for r in plain[1]]
-    depths = [d for d, _ in trace]  # 1, 2, 3 (while the averaged table's depth-4 entries catch up), then 4
+    depths = [d for d, _ in trace]
     assert trace[0] == (1, 1) and depths == sorted(depths) and depths[-1] == SPECS[0].depth, trace
     assert all(w >= 4 for _, w in trace[2:]), trace
+    if plans == "last":  # 1, 2, 3, then 4 deep
+        assert all(d == SPECS[0].depth for d in depths[3:]), trace
     assert max(max(r.accept_lengths) for r in out) > 2
 
 
@@ -322,8 +329,8 @@ def test_ahead_goes_deeper_where_depth_0_alone_does_not_pay(confident, plain, ti
 def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_tokenizer, monkeypatch, plans):
     """Real rounds of a drafter: ahead mode's plan, evaluated after the round for every depth at once
     (``decide_every_depth``), is the plain-Python reference's on the pools the tree grew depth by depth --
-    "last": ``reference_next_plan``, the best-rated round among the depths drafted and one more; "average"
-    (the default): ``reference_plan_from`` the averaged table after ``reference_fold`` of the round's
+    "last" (the default): ``reference_next_plan``, the best-rated round among the depths drafted and one more;
+    "average": ``reference_plan_from`` the averaged table after ``reference_fold`` of the round's
     ``reference_round_estimates``, the table in the runtime equal to it -- and the calibration's evidence is
     ``expected_tokens`` of the verified nodes."""
     import torchspec.runtime.controlled_drafting as cd
@@ -353,8 +360,8 @@ def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_to
         args = (read(pool.front_sc), read(pool.front_edge()), costs.depth_ms.tolist(), costs.verify_ms.tolist(),
                 inp.row_valid.tolist(), scale.tolist())
         folded = None
-        if costs.averages is None:
-            want = reference_next_plan(pools, *args)
+        if costs.averages is None:  # a probe: the plan itself
+            want = reference_next_plan(pools, *args) * 2
         else:
             folded = reference_fold(costs.averages.tolist(), reference_round_estimates(pools, *args))
             want = reference_plan_from(folded, costs.depth_ms.tolist(), costs.verify_ms.tolist())
@@ -465,6 +472,31 @@ def test_every_round_pays_the_tables_host_time(engine):
     sampled = SpecConfig(shape="tree", depth=3)
     torch.testing.assert_close(RoundCosts.lookup_sampled(timed, sampled, 2, 100, calibration).verify_ms,
                                RoundCosts.lookup_sampled(bare, sampled, 2, 100, calibration).verify_ms + 0.4)
+
+
+@pytest.mark.parametrize("plans", ["average", "last"])
+def test_a_probe_drafts_the_best_verifying_shape_the_averages_rate(engine, monkeypatch, plans):
+    """Averaged plans: a plain plan's probe drafts the table's best verifying entry (the round's plan [4]: next
+    depth, width, the probe's depth and width), so a drafter that pays only in deep rounds shows it and leaves
+    its plain streak; a probe of depth 0 alone could not (the lock-in measured in the twenty-fifth session).
+    Plans from the last round alone keep the depth-0 probe of PROBE_WIDTH nodes."""
+    from torchspec.runtime.controlled_drafting import PLAIN_ROUND, PROBE_WIDTH, Controller
+    from torchspec.runtime.plan_averages import PLANS_ENV
+    from torchspec.runtime.sampling import SamplingParams
+
+    monkeypatch.setenv(PLANS_ENV, plans)
+    ctl = Controller(table(engine, depth=0.05, verify_per_node=0.02), SPECS[0], Calibration(torch.device("cpu")))
+    greedy = SamplingParams()
+    _, costs = ctl.plan(greedy, 2, 100)  # the first round: a probe
+    assert costs.plan == (1, PROBE_WIDTH) and (costs.averages is not None) == (plans == "average")
+    ctl.after(costs, [1, 0, 3, 12])  # plain next; were it to probe: depth 3, 12 nodes
+    ctl.plain_left = 0  # the streak's end
+    _, probe = ctl.plan(greedy, 2, 100)
+    assert probe.plan == ((3, 12) if plans == "average" else (1, PROBE_WIDTH))
+    ctl.after(probe, [1, 0, 4, 100])  # a probe beyond the spec's shape: its depth and widest allowed width
+    assert ctl.plan(greedy, 2, 100)[1].plan == PLAIN_ROUND
+    ctl.plain_left = 0
+    assert ctl.plan(greedy, 2, 100)[1].plan == ((4, 12) if plans == "average" else (1, PROBE_WIDTH))
 
 
 def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):

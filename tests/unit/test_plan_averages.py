@@ -71,7 +71,8 @@ def test_random_round_sequences_fold_and_plan_like_the_reference():
             got = tuple(int(x) for x in plan_from(averages, depth_ms, verify_ms))
             assert got == reference_plan_from(reference, depth_ms.tolist(), verify_ms.tolist())
             seen_plan.add(got)
-    assert seen_rated > 1000 and len({d for d, _ in seen_plan}) >= 4 and len({w for _, w in seen_plan}) > 6
+    assert seen_rated > 1000 and len({p[0] for p in seen_plan}) >= 4 and len({p[1] for p in seen_plan}) > 6
+    assert any(p[1] == 0 and p[3] > 0 for p in seen_plan)  # plain plans with a probe that verifies
 
 
 def test_estimates_rate_the_depths_drafted_and_one_more_per_live_row():
@@ -103,17 +104,17 @@ def test_plan_rates_only_rated_entries_width_0_as_plain_ties_shallower_then_narr
     depth_ms, verify_ms = torch.tensor([0.5, 0.5]), torch.tensor([1.0, 1.0, 1.0])
     one = PROB_ONE
     unrated = torch.full((2, 3), -1)
-    assert tuple(int(x) for x in plan_from(unrated, depth_ms, verify_ms)) == (1, 0) == reference_plan_from(
+    assert tuple(int(x) for x in plan_from(unrated, depth_ms, verify_ms)) == (1, 0, 1, 0) == reference_plan_from(
         unrated.tolist(), depth_ms.tolist(), verify_ms.tolist())
     # width 0 costs the plain step alone (1 ms): 1 token/ms; (1, 1) 1.4 tokens / 1.5 ms < 1: plain
     table = torch.tensor([[one, one * 14 // 10, -1], [one, -1, -1]])
-    assert tuple(int(x) for x in plan_from(table, depth_ms, verify_ms)) == (1, 0)
+    assert tuple(int(x) for x in plan_from(table, depth_ms, verify_ms)) == (1, 0, 1, 1)  # the probe: (1, 1)
     # (1, 2) and (2, 1) at the same rate: 3 tokens / 1.5 ms and 4 tokens / 2 ms -> the shallower
     table = torch.tensor([[one, one, 3 * one], [one, 4 * one, -1]])
-    assert tuple(int(x) for x in plan_from(table, depth_ms, verify_ms)) == (1, 2) == reference_plan_from(
+    assert tuple(int(x) for x in plan_from(table, depth_ms, verify_ms)) == (1, 2, 1, 2) == reference_plan_from(
         table.tolist(), depth_ms.tolist(), verify_ms.tolist())
     table = torch.tensor([[one, 3 * one, 3 * one], [one, -1, -1]])  # equal tokens and costs: the narrower
-    assert tuple(int(x) for x in plan_from(table, depth_ms, verify_ms)) == (1, 1)
+    assert tuple(int(x) for x in plan_from(table, depth_ms, verify_ms))[:2] == (1, 1)
     with pytest.raises(ValueError, match="need depth_ms"):
         plan_from(table, depth_ms[:1], verify_ms)
 
@@ -128,21 +129,21 @@ def test_one_unconfident_round_among_confident_ones_keeps_the_plan_deep():
         pool, sizes, children, _, _, _ = _round(r, 1, 4, 5, 12.0)
         plan = decide_every_depth(pool, sizes, children, depth_ms, verify_ms, valid, None, 0)
         averages = fold(averages, plan.estimates)
-    deep = tuple(int(x) for x in plan_from(averages, depth_ms, verify_ms))
+    deep = tuple(int(x) for x in plan_from(averages, depth_ms, verify_ms))[:2]
     assert deep[0] >= 4 and deep[1] >= 4, deep
     pool, sizes, children, _, _, _ = _round(99, 1, 4, 5, 0.01)  # flat: the drafter knows nothing this round
     unsure = decide_every_depth(pool, sizes, children, depth_ms, verify_ms, valid, None, 0)
     assert int(unsure.next_width) == 0  # planned from this round alone: plain
     averages = fold(averages, unsure.estimates)
-    kept = tuple(int(x) for x in plan_from(averages, depth_ms, verify_ms))
+    kept = tuple(int(x) for x in plan_from(averages, depth_ms, verify_ms))[:2]
     assert kept[0] >= 3 and kept[1] >= 4, kept
 
 
 def test_plans_how_reads_the_environment(monkeypatch):
     monkeypatch.delenv(PLANS_ENV, raising=False)
-    assert plans_how() == "average"
-    monkeypatch.setenv(PLANS_ENV, "last")
     assert plans_how() == "last"
+    monkeypatch.setenv(PLANS_ENV, "average")
+    assert plans_how() == "average"
     monkeypatch.setenv(PLANS_ENV, "smooth")
     with pytest.raises(ValueError, match="TORCHSPEC_CONTROLLER_PLANS='smooth'"):
         plans_how()

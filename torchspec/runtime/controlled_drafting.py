@@ -21,17 +21,17 @@ tree does. Rounds with deterministic candidates at T > 0 keep ``spec``'s fixed s
 round drafts its planned (depth, width) as a fixed shape (``grow_dynamic_tree(frontier_at_last=True)``), then
 evaluates the criterion at each of its depths on its own scores and plans the next round: among the depths
 drafted and one more (its children predicted as the go criterion predicts them), the (depth, width) of the
-highest expected tokens per ms -- rated not on that round alone but on an average of recent rounds' ratings
-of every (depth, width), kept on the device (``plan_averages.py``; ``TORCHSPEC_CONTROLLER_PLANS=last``: the
-round's own, ``RoundPlan.next_depth``, ``next_width``) -- widths beyond ``DENSE_WIDTHS`` only where the table
-measured them. On CUDA that decision is one Triton kernel
+highest expected tokens per ms (``RoundPlan.next_depth``, ``next_width``; ``TORCHSPEC_CONTROLLER_PLANS=average``:
+rated on an average of recent rounds' ratings of every (depth, width), kept on the device, ``plan_averages.py``)
+-- widths beyond ``DENSE_WIDTHS`` only where the table measured them. On CUDA that decision is one Triton kernel
 (``decide_triton.py``, bit for bit the tensor version's; ~70 small kernels cost as much as a draft depth).
-The plan is two ints in the round's output, read with the committed tokens in the round's one sync: the host
-never waits inside a round, and every planned shape is a static round that CUDA graphs capture. A planned
-width 0 starts a plain streak: its first round (a probe) drafts depth 0 alone, verifies the root and its best
-candidate (``PROBE_WIDTH``: a probe that verified nothing gave the calibration no evidence) and decides
-again; the next ``PROBE_EVERY - 1`` rounds are plain steps (twice as many after each probe that plans width 0
-again, up to ``PROBE_MOST - 1``; a round that verifies resets the streak) whose drafter entries are deferred
+The plan is four ints in the round's output (its depth and width, and a probe's), read with the committed
+tokens in the round's one sync: the host never waits inside a round, and every planned shape is a static
+round that CUDA graphs capture. A planned width 0 starts a plain streak: its first round (a probe) drafts
+depth 0 alone, verifies the root and its best candidate (``PROBE_WIDTH``: a probe that verified nothing gave
+the calibration no evidence) and decides again (averaged plans: the probe drafts the table's best verifying
+shape, ``plan_averages``); the next ``PROBE_EVERY - 1`` rounds are plain steps (twice as many after each
+probe that plans width 0 again, up to ``PROBE_MOST - 1``; a round that verifies resets the streak) whose drafter entries are deferred
 (``steps.plain_step_deferring_drafter``, ``pending_drafter.py``) until the next drafting round catches up on
 them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the round, after every depth, on the
 host (one sync a depth), without CUDA graphs. Device-chained per-depth graphs are not built.
@@ -191,6 +191,7 @@ class Controller:
         self.sampled_depths: list[int] = []
         self.sampled_depth = min(INITIAL_SAMPLED_DEPTH, spec.depth)
         self.next_plan = (1, 0)  # ahead mode: a first greedy round drafts depth 0 and verifies nothing
+        self.probe_plan = (1, PROBE_WIDTH)  # ... and what a probe drafts (plans "average": the table's best verifying)
         self.plain_left = 0  # ahead mode: plain rounds left before the next probe while the plan is width 0
         self.streak = PROBE_EVERY  # ... the rounds from the next probe to the one after it (doubling to PROBE_MOST)
         self.deferred = False  # plain rounds ran whose drafter entries no round has caught up on yet
@@ -209,6 +210,7 @@ class Controller:
         if (last.mode, last.plans, last.spec, last.chain_from_batch) == (self.mode, self.plans, self.spec,
                                                                         self.chain_from_batch):
             self.next_plan, self.plain_left, self.streak = last.next_plan, last.plain_left, last.streak
+            self.probe_plan = last.probe_plan
             self.sampled_depth = last.sampled_depth
 
     def _lookup(self, spec: SpecConfig, batch: int, ctx: int, sampled: bool) -> RoundCosts:
@@ -235,15 +237,16 @@ class Controller:
             base = self._base(batch)
             if self.mode == "within":
                 return base, self._lookup(base, batch, ctx, sampled=False)
-            depth = min(self.next_plan[0], base.depth)
-            fits = min(self.next_plan[1], base.proposed(depth), base.num_drafted(params))
-            width = max(n for n in self._widths if n <= fits)  # an allowed width
+            depth, width = self._allowed(self.next_plan, base, params)
             if width > 0:  # a verifying round: a later width-0 plan starts over with a probe and short streaks
                 self.plain_left, self.streak = 0, PROBE_EVERY
             elif not self._probes():  # a plain round: no lookup, no shape (engine_forwards runs a plain step)
                 self.deferred = True
                 self.trace.append(PLAIN_ROUND)
                 return base, self._plain
+            elif self.plans == "average":  # a probe drafts the table's best verifying shape (module docstring)
+                depth, width = self._allowed(self.probe_plan, base, params)
+                width = max(width, PROBE_WIDTH)
             else:  # a probe verifies the drafter's best candidate: evidence for the calibration either way
                 width = PROBE_WIDTH
             costs = self._lookup(base, batch, ctx, sampled=False)
@@ -257,6 +260,12 @@ class Controller:
             self._flush_if_deferred(costs)
             return dataclasses.replace(self.spec, depth=self.sampled_depth), costs
         return self.spec, None
+
+    def _allowed(self, plan: tuple[int, int], base: SpecConfig, params) -> tuple[int, int]:
+        """A planned (depth, width) within ``base`` and the widths ahead mode verifies (the largest allowed one)."""
+        depth = min(plan[0], base.depth)
+        fits = min(plan[1], base.proposed(depth), base.num_drafted(params))
+        return depth, max(n for n in self._widths if n <= fits)
 
     def _base(self, batch: int) -> SpecConfig:
         """A greedy round's spec at padded ``batch``: the chain from ``chain_from_batch`` rows on, else ``spec``."""
@@ -320,6 +329,8 @@ class Controller:
             return
         if costs.plan is not None:
             self.next_plan = (int(plan[0]), int(plan[1]))
+            if len(plan) >= 4:
+                self.probe_plan = (int(plan[2]), int(plan[3]))
         elif costs.max_sampled_depth:
             self.sampled_depth = int(plan[0])
 
@@ -327,7 +338,8 @@ class Controller:
 def draft_ahead_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
                      costs: RoundCosts) -> tuple[DraftTree, torch.Tensor]:
     """Ahead mode (module docstring): the greedy dynamic tree of ``spec`` (its depth planned), every depth
-    drafted, its ``costs.plan`` width verified -> (tree, the next round's plan [2] int64: depth, width), the
+    drafted, its ``costs.plan`` width verified -> (tree, the next round's plan [4] int64: depth, width, and the
+    probe's depth and width should it plan a plain round), the
     criterion evaluated after every depth on the GPU, all at once after the round (``decide_every_depth``:
     the decisions ``decide_after_depth`` takes depth by depth, in a fraction of the kernels; no host read)."""
     fronts, edges, sizes = [], [], []
@@ -339,7 +351,7 @@ def draft_ahead_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInput
     m = costs.plan[1]
     plan = _decide_ahead(torch.cat(pool.sc, 1), sizes, torch.stack(fronts), torch.stack(edges), costs,
                          inp.row_valid, m)
-    return pool.tree(inp.root, m), torch.stack([plan.next_depth, plan.next_width])
+    return pool.tree(inp.root, m), torch.stack([plan.next_depth, plan.next_width, plan.probe_depth, plan.probe_width])
 
 
 def decide_how() -> str:
@@ -390,7 +402,8 @@ def decide_every_depth_calibrated(pool_logp: torch.Tensor, sizes: list[int], fro
                               verified)
     if averages is not None:
         averages.copy_(fold(averages, plan.estimates))
-        plan = plan._replace(**dict(zip(("next_depth", "next_width"), plan_from(averages, depth_ms, verify_ms))))
+        fields = ("next_depth", "next_width", "probe_depth", "probe_width")
+        plan = plan._replace(**dict(zip(fields, plan_from(averages, depth_ms, verify_ms))))
     return plan, cal.evidence(pool_logp, verified, row_valid)
 
 

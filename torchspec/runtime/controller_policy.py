@@ -213,6 +213,8 @@ class RoundPlan(NamedTuple):
     drafted: torch.Tensor  # 0-d int64: the drafted tokens the ``verified`` best nodes expect, unscaled (fixed point)
     estimates: torch.Tensor  # [T, N_max + 1] int64: tokens a live row expects of each (depths, width) the round
     #                          estimated (the depths drafted and one more; fixed point), -1 where it estimated none
+    probe_depth: torch.Tensor  # 0-d int64: what a probe drafts if the plan is a plain round (plan_averages; here
+    probe_width: torch.Tensor  # the plan itself: a plan from one round alone probes depth 0, PROBE_WIDTH)
 
 
 def decide_every_depth(pool_logp: torch.Tensor, sizes: list[int], children_logp: torch.Tensor,
@@ -269,8 +271,8 @@ def decide_every_depth(pool_logp: torch.Tensor, sizes: list[int], children_logp:
     rated = torch.nn.functional.pad(rated, (0, 0, 0, depth_ms.shape[0] - rated.shape[0]), value=-1)  # [T, N + 1]
     live = row_valid.sum()
     estimates = torch.where((rated >= 0) & (live > 0), rated // live.clamp(min=1), -1)  # per live row
-    return RoundPlan(go, widths[:d], at + 1, widths.gather(0, at.view(1))[0], drafted,  # widths[at] would sync
-                     estimates)
+    width = widths.gather(0, at.view(1))[0]  # widths[at] would sync
+    return RoundPlan(go, widths[:d], at + 1, width, drafted, estimates, at + 1, width)
 
 
 def _below(n: int, limits: list[int], dev: torch.device) -> torch.Tensor:

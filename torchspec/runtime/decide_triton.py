@@ -134,6 +134,7 @@ def _rank_sums_kernel(
     B, P, F, FIRST, STEP, VERIFIED, D,  # runtime: one compiled kernel serves every batch, depth and table
     A: tl.constexpr, R: tl.constexpr, CALIBRATED: tl.constexpr, EXACT: tl.constexpr,
     RB: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr, BR: tl.constexpr,
+    AVERAGED: tl.constexpr, SHIFT: tl.constexpr,  # the plan kernel's (one variant's arguments for both)
 ):
     """Pass 1, program (c, j): rows c*RB.. of the batch, each sorted, summed by rank into ``sums`` (int64, zeroed;
     exact in any order). j < D: depth j's pool; D <= j < 2D: depth j-D's pool and its predicted children;
@@ -232,6 +233,9 @@ def _plan_kernel(
     best_depth = tl.where(more, D + 1, best_depth)
     best_width = tl.where(more, deeper_width, best_width)
     avg_rate = tl.full([], -2.0, tl.float64)
+    probe_rate = tl.full([], -2.0, tl.float64)
+    probe_depth = best_depth  # a plan from this round alone: a probe is the plan itself (controlled_drafting probes)
+    probe_width = best_width
     for c in range(T):  # plan_averages: the round's estimates per live row (c < D: drafted; c == D: one more)
         summed = tl.load(sums_ptr + tl.where(c < D, c, 2 * D - 1) * BG + n)
         weighted = summed * rank_scale
@@ -253,6 +257,14 @@ def _plan_kernel(
             best_depth = tl.where(better, c + 1, best_depth)
             best_width = tl.where(better, tl.min(tl.where(rate == top, n, 1 << 30), axis=0), best_width)
             avg_rate = tl.where(better, top, avg_rate)
+            verifying = tl.where(n >= 1, rate, -1.0)  # the probe: the best entry that verifies
+            top = tl.max(verifying, axis=0)
+            better = top > probe_rate
+            probe_depth = tl.where(better, c + 1, probe_depth)
+            probe_width = tl.where(better, tl.min(tl.where(verifying == top, n, 1 << 30), axis=0), probe_width)
+            probe_rate = tl.where(better, top, probe_rate)
+    tl.store(ints_ptr + 3, probe_depth.to(tl.int64))
+    tl.store(ints_ptr + 4, probe_width.to(tl.int64))
     tl.store(ints_ptr, best_depth.to(tl.int64))
     tl.store(ints_ptr + 1, best_width.to(tl.int64))
     tl.store(ints_ptr + 2, tl.sum(tl.where(n == VERIFIED, unscaled, 0), axis=0))  # the last depth's; width 0: nothing
@@ -310,7 +322,7 @@ def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_lo
                          f"(int64 [{t}, {n_max + 1}] or None) do not fit; use decide_every_depth.")
     go = torch.empty(d, dtype=torch.bool, device=dev)
     width = torch.empty(d, dtype=torch.long, device=dev)
-    ints = torch.empty(3, dtype=torch.long, device=dev)  # next depth, next width, drafted
+    ints = torch.empty(5, dtype=torch.long, device=dev)  # next depth, next width, drafted, probe depth, probe width
     estimates = torch.empty(t, n_max + 1, dtype=torch.long, device=dev)
     a = len(ALPHAS)
     pending = torch.empty(a, RANK_BUCKETS + 1, dtype=torch.float64, device=dev)
@@ -326,7 +338,7 @@ def decide_every_depth_fused(pool_logp: torch.Tensor, sizes: list[int], front_lo
     _plan_kernel[(1,)](
         row_valid, depth_ms, verify_ms, *state, sums, go, width, ints, pending, estimates,
         estimates if averages is None else averages, b, f, t, n_max, first_step[0], first_step[1], verified, d, **meta)
-    return RoundPlan(go, width, ints[0], ints[1], ints[2], estimates), pending if cal is not None else None
+    return RoundPlan(go, width, ints[0], ints[1], ints[2], estimates, ints[3], ints[4]), pending if cal is not None else None
 
 
 __all__ = ["decide_every_depth_fused", "fused_sizes", "kernel_variant", "KERNELS"]

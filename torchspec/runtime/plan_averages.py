@@ -22,8 +22,22 @@ plain-Python reference. ``plan_from`` is the next round's plan: the (depths, wid
 tokens per ns among the entries ever rated, costed as ``decide_every_depth`` costs them (width 0: a plain
 round, ``verify_ms[0]``), the first maximum in (depths, width) order on a tie -- the shallower, then the
 narrower. ``SHIFT = 1`` (half to the newest round) rated best in a replay of the trained drafter's rounds in
-modeled time (``tools/replay_controller.py``, float weights): 1, 0.5 and 0.3 gave x1.23, x1.36 and x1.33 against
-the fixed tree's x1.26; an untrained drafter stayed plain (x0.99 at 0.3).
+modeled time (twenty-fourth session, float weights): 1, 0.5 and 0.3 gave x1.23, x1.36 and x1.33 against the
+fixed tree's x1.26; an untrained drafter stayed plain (x0.99 at 0.3).
+
+**Probes.** A plain plan starts a streak of plain rounds whose probes (``controlled_drafting``) re-rate the
+drafter. A probe of depth 0 alone rates only the shallow entries, and where only deep rounds pay (a round's
+fixed cost, depth 0's, amortised over several depths: SmolLM2 at c = 1) no probe can show that the drafter is
+worth drafting again, so a streak, once begun, stretches to ``PROBE_MOST`` rounds. ``plan_from`` therefore
+also names the probe: the entry of the best tokens per ns among those that verify (width >= 1). An untrained
+drafter's entries all expect ~1 token, so its probe is the cheapest shape (depth 0, one node); a good drafter's
+is the deep round its table rates highest.
+
+**Not the default yet.** Served on an H100 (twenty-fifth session, a 775-step SmolLM2 drafter, MT-Bench c = 1,
+before the probes above): x1.09 against the last round's plans' x1.10 with tensor decisions, x1.00 against
+x1.16 with the fused kernel, repeats spread 0.93-1.18 by how long the plain streaks ran; the fixed tree
+x1.24-1.33. ``TORCHSPEC_CONTROLLER_PLANS=average`` opts in; ``tools/bench_controller.py --also-plans average``
+times it beside the default.
 
 The table is ``Calibration.averages_for``'s (one per drafted shape, kept as long as the calibration: CUDA graphs
 capture its address). On CUDA the fused decision (``decide_triton``) folds and plans in its plan kernel,
@@ -39,14 +53,15 @@ import torch
 from torchspec.runtime.controller_policy import NS_PER_MS, _ns, reference_expected_tokens
 
 SHIFT = 1  # the newest round's weight in the average: 2^-SHIFT
-PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "average" (default) or "last": ahead mode's plan from the last round alone
+PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "last" (default: the last round's ratings alone) or "average"
 
 
 def plans_how() -> str:
-    """How ahead mode plans (``TORCHSPEC_CONTROLLER_PLANS``): "average" (the default) or "last" (to compare)."""
-    how = os.environ.get(PLANS_ENV, "average")
+    """How ahead mode plans (``TORCHSPEC_CONTROLLER_PLANS``): "last" (the default until averaged plans are measured
+    to serve faster: module docstring) or "average"."""
+    how = os.environ.get(PLANS_ENV, "last")
     if how not in ("average", "last"):
-        raise ValueError(f"{PLANS_ENV}={how!r} is not a way to plan: set it to 'average' (the default) or 'last'.")
+        raise ValueError(f"{PLANS_ENV}={how!r} is not a way to plan: set it to 'last' (the default) or 'average'.")
     return how
 
 
@@ -60,8 +75,9 @@ def fold(averages: torch.Tensor, estimates: torch.Tensor, shift: int = SHIFT) ->
 
 
 def plan_from(averages: torch.Tensor, depth_ms: torch.Tensor, verify_ms: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next round's (depths, width), 0-d int64 tensors (no host read), from the averaged table [T, N + 1]."""
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The next round's (depths, width) and the probe's (the best entry that verifies, width >= 1; (1, 0) when
+    none was rated), 0-d int64 tensors (no host read), from the averaged table [T, N + 1]."""
     t, w = averages.shape
     if depth_ms.shape != (t,) or verify_ms.shape != (w,):
         raise ValueError(f"plan_from: averages {tuple(averages.shape)} need depth_ms [{t}] and verify_ms [{w}], got "
@@ -71,7 +87,8 @@ def plan_from(averages: torch.Tensor, depth_ms: torch.Tensor, verify_ms: torch.T
     cost = torch.cat([verify[:1].expand(t, 1), cost[:, 1:]], 1)  # width 0: a plain round, which drafts nothing
     rate = torch.where(averages >= 0, averages.double() / cost.double(), -1.0)
     at = torch.argmax(rate.flatten())  # the first maximum: the shallower, then the narrower
-    return at // w + 1, at % w
+    probe = torch.argmax(torch.where(torch.arange(w, device=rate.device) >= 1, rate, -1.0).flatten())
+    return at // w + 1, at % w, probe // w + 1, probe % w
 
 
 # --- CPU reference: plain Python over floats and ints, written apart from the tensor code above ---
@@ -103,8 +120,10 @@ def reference_fold(averages: list[list[int]], estimates: list[list[int]], shift:
     return [[one(a, e) for a, e in zip(ra, re)] for ra, re in zip(averages, estimates)]
 
 
-def reference_plan_from(averages: list[list[int]], depth_ms: list[float], verify_ms: list[float]) -> tuple[int, int]:
-    best, best_rate, drafted = (1, 0), -1.0, 0
+def reference_plan_from(averages: list[list[int]], depth_ms: list[float], verify_ms: list[float]
+                        ) -> tuple[int, int, int, int]:
+    """(depths, width, the probe's depths, its width), as ``plan_from``."""
+    best, best_rate, probe, probe_rate, drafted = (1, 0), -1.0, (1, 0), -1.0, 0
     for c, row in enumerate(averages):
         drafted += round(depth_ms[c] * NS_PER_MS)
         for n, tokens in enumerate(row):
@@ -113,7 +132,9 @@ def reference_plan_from(averages: list[list[int]], depth_ms: list[float], verify
             rate = tokens / ((0 if n == 0 else drafted) + round(verify_ms[n] * NS_PER_MS))
             if rate > best_rate:  # strict: a tie keeps the shallower, then the narrower
                 best, best_rate = (c + 1, n), rate
-    return best
+            if n >= 1 and rate > probe_rate:
+                probe, probe_rate = (c + 1, n), rate
+    return (*best, *probe)
 
 
 __all__ = ["PLANS_ENV", "SHIFT", "fold", "plan_from", "plans_how", "reference_fold", "reference_plan_from",

@@ -81,7 +81,7 @@ class StepOut:
     root: torch.Tensor  # [B] new last committed token
     normed: torch.Tensor | None = None  # [B, H] drafter state at the new last position
     feedback: torch.Tensor | None = None
-    plan: torch.Tensor | None = None  # [2] int64: the draft controller's next round (depth, width), synced with these
+    plan: torch.Tensor | None = None  # [2 or 4] int64: the draft controller's next round (depth, width; a probe's), synced
     # [B (+1 with a plan), 1 + W] int64: count, tokens, then the plan's row -- the round's one host read, built
     # where the step runs (inside its CUDA graph: no eager launches between the replay and the read)
     synced: torch.Tensor | None = None
@@ -89,8 +89,10 @@ class StepOut:
     def __post_init__(self):
         if self.synced is None:
             synced = torch.cat([self.count[:, None], self.tokens], 1)
-            if self.plan is not None:
-                synced = torch.cat([synced, torch.nn.functional.pad(self.plan, (0, synced.shape[1] - 2))[None]])
+            if self.plan is not None:  # one more row, as wide as the widest of the two
+                width = max(synced.shape[1], self.plan.shape[0])
+                synced = torch.nn.functional.pad(synced, (0, width - synced.shape[1]))
+                synced = torch.cat([synced, torch.nn.functional.pad(self.plan, (0, width - self.plan.shape[0]))[None]])
             self.synced = synced
 
 
