@@ -46,6 +46,54 @@ def plot_controller_trained(src: Path, out: Path) -> None:
     plt.close(fig)
 
 
+def _plans_runs(row: dict) -> list[tuple[str, float, float, dict]]:
+    """(label, speedup, acceptance, round kinds) of a ``bench_controller`` row's controller runs: the default
+    plans and the ``--also-plans`` ones (``last_plans_*``: the twenty-fifth session's first name for them)."""
+    also = "also_plans" if "also_plans_speedup" in row else "last_plans"
+    other = row.get("also_plans", "last")
+    return [(f"plans: {row.get('plans', 'average')}", row["speedup"], row["acceptance"], row["round_kinds"]),
+            (f"plans: {other}", row[f"{also}_speedup"], row[f"{also}_acceptance"], row[f"{also}_round_kinds"])]
+
+
+def plot_controller_plans(runs: dict[str, Path], out: Path) -> None:
+    """One ``tools/bench_controller.py`` JSON per way of deciding ({label: file}, each timed with ``--also-plans``):
+    the fixed tree and the controller under both plans (speedup, acceptance), and how many of the median run's
+    rounds were plain."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.4))
+    labels, speedups, accs, plain, device = [], [], [], [], ""
+    for name, path in runs.items():
+        data = json.loads(Path(path).read_text())
+        row, device = data["rows"][0], data["device"]
+        labels.append(f"{name} decisions\nfixed\n{row['best_fixed']}")
+        speedups.append(row["best_fixed_speedup"])
+        accs.append(row["best_fixed_acceptance"])
+        plain.append(None)
+        for label, speedup, acc, kinds in _plans_runs(row):
+            labels.append(f"{name} decisions\ncontroller\n{label}")
+            speedups.append(speedup)
+            accs.append(acc)
+            plain.append(kinds.get("plain-deferring", {}).get("rounds", 0) / sum(k["rounds"] for k in kinds.values()))
+    colors = ["tab:gray" if p is None else "tab:green" for p in plain]
+    bars = left.bar(range(len(labels)), speedups, color=colors)
+    for bar, s, a in zip(bars, speedups, accs):
+        left.text(bar.get_x() + bar.get_width() / 2, s + 0.01, f"x{s:.2f}\nacc {a:.2f}", ha="center", va="bottom",
+                  fontsize=8)
+    left.axhline(1.0, color="k", lw=0.8, ls="--")
+    left.set_xticks(range(len(labels)), labels, fontsize=7)
+    left.set_ylim(0, max(speedups) * 1.3)
+    left.set_ylabel("speedup over plain decoding (median of 3 pairs)")
+    shown = [(lab, p) for lab, p in zip(labels, plain) if p is not None]
+    right.bar(range(len(shown)), [100 * p for _, p in shown], color="tab:orange")
+    right.set_xticks(range(len(shown)), [lab for lab, _ in shown], fontsize=7)
+    right.set_ylabel("plain rounds, % of the median run's rounds")
+    right.set_title("a plain streak, once begun, rarely ends (its probes draft depth 0 alone)", fontsize=8)
+    fig.suptitle(textwrap.fill(f"The controller's plans with a trained SmolLM2 drafter, MT-Bench c=1 ({device})", 90),
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: plot_controller_trained.py <controller_trained JSON> <out.png>")

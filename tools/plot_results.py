@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from plot_controller_trained import plot_controller_trained  # noqa: E402
+from plot_controller_trained import plot_controller_plans, plot_controller_trained  # noqa: E402
 from plot_quality import plot_quality_results  # noqa: E402
 
 
@@ -391,4 +391,8 @@ if __name__ == "__main__":
                                  img / f"controller_pair_h100_{session}.png")
     if (bench / "controller_trained_smollm2_s24.json").exists():
         plot_controller_trained(bench / "controller_trained_smollm2_s24.json", img / "controller_trained_s24.png")
+    s25 = {"tensor": bench / "controller_s25/controller_eagle4_tensor_h100.json",
+           "fused": bench / "controller_s25/controller_eagle4_fused_h100.json"}
+    if all(p.exists() for p in s25.values()):
+        plot_controller_plans(s25, img / "controller_plans_s25.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))

@@ -1,5 +1,5 @@
 """`tools/plot_controller_trained.py`: the measured and modeled panels from a JSON of that shape, and the committed
-twenty-fourth-session file still plots."""
+twenty-fourth-session file still plots; the plans comparison from the twenty-fifth session's bench files."""
 
 from __future__ import annotations
 
@@ -29,3 +29,13 @@ def test_the_committed_results_plot(tmp_path):
     assert {"label", "speedup", "acceptance"} <= set(data["measured"]["rows"][0])
     tool.plot_controller_trained(src, tmp_path / "s24.png")
     assert (tmp_path / "s24.png").stat().st_size > 10_000
+
+
+def test_the_plans_comparison_plots_from_the_committed_bench_files(tmp_path):
+    tool = load_tool("plot_controller_trained")
+    runs = {kind: REPO / "docs" / "bench" / "controller_s25" / f"controller_eagle4_{kind}_h100.json"
+            for kind in ("tensor", "fused")}
+    labels = [label for label, *_ in tool._plans_runs(json.loads(runs["fused"].read_text())["rows"][0])]
+    assert labels == ["plans: average", "plans: last"]
+    tool.plot_controller_plans(runs, tmp_path / "plans.png")
+    assert (tmp_path / "plans.png").stat().st_size > 10_000
