@@ -193,6 +193,27 @@ def test_sizes_that_do_not_grow_by_one_step_are_refused():
                                  torch.ones(2, dtype=torch.bool, device=DEV), None, 0)
 
 
+def test_every_variant_argument_is_a_constexpr_of_both_kernels():
+    """``kernel_variant``'s arguments go to both kernels: a compiled launch refuses one a kernel does not declare
+    (``KeyError: Keyword argument AVERAGED was specified but unrecognised``, the twenty-fifth session's H100),
+    while Triton's interpreter ignores it -- so the CPU run checks the signatures themselves."""
+    import inspect
+
+    from torchspec.runtime.decide_triton import KERNELS, kernel_variant
+
+    def constexprs(kernel) -> set[str]:  # the jitted (or interpreted) function's tl.constexpr parameters
+        params = inspect.signature(kernel.fn).parameters.values()
+        return {p.name for p in params if "constexpr" in str(p.annotation)}
+
+    launch_options = {"num_warps", "num_stages"}
+    for calibrated in (False, True):
+        for averaged in (False, True):
+            meta = kernel_variant(3, (8, 64), 8, 5, calibrated, averaged, 33)
+            for name, kernel in KERNELS.items():
+                declared = constexprs(kernel)
+                assert set(meta) - launch_options == declared, (name, set(meta) ^ declared)
+
+
 def test_a_table_compiles_one_variant_per_row_chunk_and_calibration():
     """Whatever a round's batch or drafted depths, a table's rounds meet one variant per row chunk (1, 2, 4, 8
     rows, at most 512 nodes a chunk) and calibration: 2 for a k=8 tree's 512 columns (a row a program), 8 for
