@@ -199,8 +199,8 @@ print(sum(json.load(open(d + '/generation.json'))['settings']['max_conversations
     fi
     parts=$(for d in "$W"/regen_[b-z]; do grep -qs '"complete": true' "$d/generation.json" && echo "$d"; done)  # finished
     [ -n "$parts" ] && merge_regenerations "$W/regen_all.jsonl" "$W/regen" $parts
-    wait  # the GPU tests
-    train_all $(( $(left) - 15 ))
+    train_all $(( $(left) - 15 ))  # beside the GPU tests, if any are still running (they only check correctness)
+    wait
     exit
   fi
   # the held-out sets first (MT-Bench's 80 two-turn questions answered by the target: data.eval_path), with
@@ -220,8 +220,9 @@ print(sum(json.load(open(d + '/generation.json'))['settings']['max_conversations
   fi
   cp "$W/regen/generation.json" "$RES/" 2>/dev/null
   tar czf "$OUT/regen_data.tgz" -C "$W" regen regen_mtbench
-  wait  # the GPU tests
+  # training starts beside the GPU tests (waiting for them cost ~100 s of a 570 s call's training, 2026-12-06)
   grep -q '"complete": true' "$W/regen/generation.json" && train_all $(( $(left) - 15 ))
+  wait  # the GPU tests
   ;;
 train)
   train_all $(( $(left) - 10 ))
