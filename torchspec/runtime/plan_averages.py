@@ -28,7 +28,8 @@ fixed tree's x1.26; an untrained drafter stayed plain (x0.99 at 0.3).
 **Probes.** A plain plan starts a streak of plain rounds whose probes (``controlled_drafting``) re-rate the
 drafter. A probe of depth 0 alone rates only the shallow entries, and where only deep rounds pay (a round's
 fixed cost, depth 0's, amortised over several depths: SmolLM2 at c = 1) no probe can show that the drafter is
-worth drafting again, so a streak, once begun, stretches to ``PROBE_MOST`` rounds. ``plan_from`` therefore
+worth drafting again, and the streak can double up to ``PROBE_MOST`` rounds (the fused run of the twenty-fifth
+session: 819 plain rounds behind 24 probes). ``plan_from`` therefore
 also names the probe: the entry of the best tokens per ns among those that verify (width >= 1). An untrained
 drafter's entries all expect ~1 token, so its probe is the cheapest shape (depth 0, one node); a good drafter's
 is the deep round its table rates highest.
