@@ -37,7 +37,9 @@ is the deep round its table rates highest.
 **Not the default yet.** Served on an H100 (twenty-fifth session, a 775-step SmolLM2 drafter, MT-Bench c = 1,
 before the probes above): x1.09 against the last round's plans' x1.10 with tensor decisions, x1.00 against
 x1.16 with the fused kernel, repeats spread 0.93-1.18 by how long the plain streaks ran; the fixed tree
-x1.24-1.33. ``TORCHSPEC_CONTROLLER_PLANS=average`` opts in; ``tools/bench_controller.py --also-plans average``
+x1.24-1.33. With the probes, in modeled time (CPU replay, the controlled pair at noise 0.15 priced by that H100
+table): x1.34 against the last round's plans' x1.11 (305 plain rounds of 384) and the fixed tree's x1.37, and
+x0.99 for an untrained drafter; served, not yet. ``TORCHSPEC_CONTROLLER_PLANS=average`` opts in; ``tools/bench_controller.py --also-plans average``
 times it beside the default.
 
 The table is ``Calibration.averages_for``'s (one per drafted shape, kept as long as the calibration: CUDA graphs
