@@ -282,13 +282,14 @@ def fused_sizes(sizes: list[int]) -> tuple[int, int] | None:
 
 
 def kernel_variant(batch: int, first_step: tuple[int, int], frontier: int, table_depths: int,
-                   calibrated: bool, averaged: bool = True, widths: int = 0) -> dict:
+                   calibrated: bool, averaged: bool = False, widths: int = 0) -> dict:
     """The kernels' compile-time arguments for a round (what a compiled variant is keyed by): the row chunk (the
     batch's power of two, at most ``ROW_CHUNK`` rows and ``CHUNK_NODES`` nodes) and blocks wide enough for the
     table's deepest pool and its children (widths past a pool's size are never rated, but the round's estimates
-    and an averaged table cover every one of the table's verify ``widths``: a runtime table has no more), the table's depths (at least 8) and the exponents, and whether plans come from the
-    averaged table (``plan_averages``) -- one variant per row chunk and calibration a table, whatever the
-    round's depth or batch."""
+    and an averaged table cover every one of the table's verify ``widths``: a runtime table has no more), the
+    table's depths (at least 8) and the exponents, and whether plans come from the averaged table
+    (``plan_averages``; off by default, as ``TORCHSPEC_CONTROLLER_PLANS`` is) -- one variant per row chunk and
+    calibration a table, whatever the round's depth or batch."""
     first, step = first_step
     columns = triton.next_power_of_2(max(first + step * (table_depths - 1) + frontier + 1, widths))
     rows = min(triton.next_power_of_2(batch), ROW_CHUNK, max(1, CHUNK_NODES // columns))
