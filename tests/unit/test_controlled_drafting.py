@@ -18,7 +18,6 @@ from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
 from torchspec.runtime.calibration import ALPHAS, Calibration
 from torchspec.runtime.controlled_drafting import MODES
-from torchspec.runtime.controller_policy import RANK_BUCKETS, SCALE_ONE
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafting import SpecConfig
 from torchspec.runtime.loading import load_engine
@@ -153,61 +152,6 @@ def test_a_confidently_wrong_drafter_is_soon_not_verified(confidently_wrong, pla
     assert sum(w == 0 for w in widths[3:]) >= 0.8 * len(widths[3:])
 
 
-def _pending(per_exponent: list[float], bucket: int = 0) -> torch.Tensor:
-    """A round's evidence [A, RANK_BUCKETS + 1]: each exponent's expectation, all of it in one rank bucket."""
-    out = torch.zeros(len(ALPHAS), RANK_BUCKETS + 1, dtype=torch.float64)
-    out[:, bucket] = out[:, -1] = torch.tensor(per_exponent, dtype=torch.float64)
-    return out
-
-
-def test_calibration_is_the_decayed_ratio_and_drifts_back_without_evidence():
-    cal = Calibration(torch.device("cpu"), decay=0.5, prior=0.25)
-    nowhere = torch.zeros(2, 4, dtype=torch.long)  # the accepted paths' ranks (nothing accepted: not read)
-    alpha, scale = cal.choice()
-    assert float(alpha) == 1.0 and scale.tolist() == [SCALE_ONE] * RANK_BUCKETS  # no evidence: the confidence as is
-    cal.pending = _pending([3.0, 4.0, 5.0, 6.0])  # under each exponent, all of it at rank 0
-    cal.observe(torch.tensor([0, 0]), nowhere, torch.tensor([True, True]))
-    alpha, scale = cal.choice()  # nothing accepted: a = 1 expected least, so it is nearest
-    overall = 0.25 / 3.25  # all nodes; rank 0's bucket its own evidence, its prior pulled to that; the rest: overall
-    assert float(alpha) == 1.0 and scale.tolist() == ([round(0.25 * overall / 3.25 * SCALE_ONE)]
-                                                      + [round(overall * SCALE_ONE)] * (RANK_BUCKETS - 1))
-    scales = []
-    for _ in range(8):  # rounds that verify nothing: the evidence decays, the scale returns toward 1
-        cal.pending = _pending([0.0] * 4)
-        cal.observe(torch.tensor([0, 0]), nowhere, torch.tensor([True, True]))
-        scales.append(int(cal.choice()[1][0]))
-    assert scales == sorted(scales) and scales[-1] > 0.9 * SCALE_ONE
-    cal.pending = _pending([1.0] * 4)
-    ranks = torch.tensor([[0, 1, 3, 7], [0, 2, 5, 9]])  # the accepted paths' nodes by rank: buckets 0, 1, 2, 3
-    cal.observe(torch.tensor([4, 9]), ranks, torch.tensor([True, False]))  # a padded row's count is not evidence
-    assert float(cal.accepted) == pytest.approx(4.0 + 0.0, abs=1e-2)
-    assert cal.accepted_by_rank[:4].tolist() == pytest.approx([1.0 + 0.0] * 4, abs=1e-2)
-    evidence = (float(cal.accepted), cal.expected.tolist(), cal.accepted_by_rank.tolist(), cal.expected_by_rank.tolist())
-    cal.pending = _pending([0.0] * 4)
-    cal.observe(torch.tensor([4, 9]), ranks, torch.tensor([False, False]))  # an idle run (a graph warm-up): no change
-    assert (float(cal.accepted), cal.expected.tolist(), cal.accepted_by_rank.tolist(),
-            cal.expected_by_rank.tolist()) == evidence
-
-
-def test_each_rank_bucket_is_scaled_by_its_own_evidence():
-    """A drafter overconfident along its best path accepts its lower-ranked nodes more than it expects them: the
-    buckets that are borne out more are scaled up, those borne out less down, each by its own ratio."""
-    cal = Calibration(torch.device("cpu"), decay=0.9)
-    logp = torch.log(torch.tensor([[0.9, 0.05, 0.03, 0.01, 0.01, 0.005]]))  # ranks 0-5: buckets 0, 1, 1, 2, 2, 2
-    for i in range(40):  # the best node accepted in a quarter of the rounds; a second path (ranks 2, 3) in half
-        cal.pending = cal.evidence(logp, 6, torch.tensor([True]))
-        ranks, got = (torch.tensor([[2, 3, 0, 0, 0]]), 2) if i % 2 else (torch.tensor([[0, 1, 0, 0, 0]]), int(i % 4 == 0))
-        cal.observe(torch.tensor([got]), ranks, torch.tensor([True]))
-    alpha, scale = cal.choice()
-    at = ALPHAS.index(float(alpha))
-    overall = (float(cal.accepted) + 0.25) / (float(cal.expected[at]) + 0.25)
-    want = [round(min((acc + 0.25 * overall) / (exp + 0.25), 4.0) * SCALE_ONE)
-            for acc, exp in zip(cal.accepted_by_rank.tolist(), cal.expected_by_rank[at].tolist())]
-    assert scale.tolist() == want
-    assert scale[1] > SCALE_ONE > scale[0] and scale[2] > SCALE_ONE  # the second path: under-read; the first: over
-    assert scale[3:].tolist() == [round(min(overall, 4.0) * SCALE_ONE)] * (RANK_BUCKETS - 3)  # never verified: all
-
-
 def test_an_underconfident_drafter_that_is_right_is_drafted(engine, plain, tiny_tokenizer, mode):
     """The tiny pair's own drafter: near-flat (top probability ~0.004, so a path of 3 is ~1e-7) yet the target's
     argmax. With a multiplicative scale alone (capped x4) the controller never drafted it (acceptance 1.0);
@@ -223,26 +167,6 @@ def test_an_underconfident_drafter_that_is_right_is_drafted(engine, plain, tiny_
     assert acceptance(out) >= 0.8 * acceptance(fixed) and acceptance(fixed) > 1.5, (acceptance(out), trace)
     assert max(d for d, _ in trace) >= 2 and max(w for _, w in trace) == spec.num_nodes, trace  # deep and wide
     assert alpha < 1
-
-
-def test_an_underconfident_drafter_is_read_with_a_smaller_exponent():
-    """Greedy verification accepts a drafter whose paths it gave 0.2^d: the exponent whose expectation is
-    nearest the accepted tokens is chosen (not a scale capped at ``most``), and the scales are what remains."""
-    cal = Calibration(torch.device("cpu"))
-    logp = torch.log(torch.tensor([[0.2, 0.04, 0.008, 0.0016]]))  # one row, a chain of 4 (ranks 0-3: buckets 0, 1, 1, 2)
-    cal.pending = cal.evidence(logp, 4, torch.tensor([True]))
-    want = [[p ** a for p in (0.2, 0.04, 0.008, 0.0016)] for a in ALPHAS]
-    by_bucket = [[w[0], w[1] + w[2], w[3], 0.0, 0.0, 0.0, sum(w)] for w in want]
-    assert cal.pending.tolist() == [pytest.approx(row, rel=1e-5, abs=1e-6) for row in by_bucket]
-    for _ in range(20):  # every round accepts 3 of the 4
-        cal.pending = cal.evidence(logp, 4, torch.tensor([True]))
-        cal.observe(torch.tensor([3]), torch.tensor([[0, 1, 2, 3]]), torch.tensor([True]))
-    alpha, scale = cal.choice()
-    ratios = [(float(cal.accepted) + 0.25) / (e + 0.25) for e in cal.expected.tolist()]  # per exponent
-    assert ratios[0] > 4  # beyond the scale's cap: a = 1 alone could not say how good this drafter is
-    assert float(alpha) == ALPHAS[min(range(len(ALPHAS)), key=lambda i: max(ratios[i], 1 / ratios[i]))] < 1
-    assert 0.5 * SCALE_ONE < int(scale[0]) < 2 * SCALE_ONE
-    assert cal.evidence(logp, 0, torch.tensor([True])).tolist() == [[0.0] * (RANK_BUCKETS + 1)] * len(ALPHAS)
 
 
 def test_from_chain_from_batch_rows_on_greedy_rounds_draft_a_chain(confident, plain, tiny_tokenizer, mode):
