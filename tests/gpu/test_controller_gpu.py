@@ -32,6 +32,7 @@ from torchspec.runtime.cost_profile import profile_costs
 from torchspec.runtime.cost_table import device_name
 from torchspec.runtime.drafting import SpecConfig
 from torchspec.runtime.loading import load_engine
+from torchspec.runtime.plan_averages import PLANS_ENV
 from torchspec.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -103,7 +104,7 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
         within.append([host(t) for t in (pool, front, edge, depth, depth_ms, verify_ms, valid, scale)])
         return real_after(pool, front, edge, depth, depth_ms, verify_ms, valid, scale)
 
-    def every(pool, sizes, children, depth_ms, verify_ms, valid, scale, verified):
+    def every(pool, sizes, children, depth_ms, verify_ms, valid, scale, verified):  # the default (last-round) plans
         plan = real_every(pool, sizes, children, depth_ms, verify_ms, valid, scale, verified)
         ahead.append([host(t) for t in (pool, list(sizes), children, depth_ms, verify_ms, valid, scale, verified,
                                         plan.go, plan.width, plan.drafted, torch.stack([plan.next_depth, plan.next_width]))])
@@ -113,10 +114,11 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
 
     real_fused, fused = dt.decide_every_depth_fused, []
 
-    def kernel(pool, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified):
+    def kernel(pool, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified, averages=None):
+        assert averages is None  # the default plans are the last round's (plan_averages.PLANS_ENV)
         alpha, scale = cal.choice()  # what the kernel must choose from the same evidence
         evidence = cal.evidence(pool, verified, valid)
-        plan, pending = real_fused(pool, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified)
+        plan, pending = real_fused(pool, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified, averages)
         assert pending.tolist() == evidence.tolist()
         children = (fronts.double() + edges.double()) * alpha  # the inputs the tensor version decides on
         fused.append([host(t) for t in (pool.double() * alpha, list(sizes), children, depth_ms, verify_ms, valid,
@@ -127,6 +129,7 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
     monkeypatch.setattr(cd, "decide_after_depth", after)
     monkeypatch.setattr(cd, "decide_every_depth", every)
     monkeypatch.setattr(dt, "decide_every_depth_fused", kernel)
+    monkeypatch.delenv(PLANS_ENV, raising=False)
     engine = engine_of(pair)
     engine.runner.model.lm_head.weight.data.mul_(40.0)  # confident, so rounds go deep (test_controlled_drafting.py)
     ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "one two three", "alpha")]
@@ -154,6 +157,39 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
         assert tuple(planned.tolist()) == want
         unscaled = reference_expected_tokens(pool.tolist(), verified, valid.tolist(), None)
         assert int(drafted) == unscaled[-1] - int(valid.sum()) * PROB_ONE
+
+
+def test_recorded_real_rounds_average_plans_on_the_gpu_like_the_tensor_twin(pair, tiny_tokenizer, monkeypatch):
+    """Averaged plans (``TORCHSPEC_CONTROLLER_PLANS=average``) on real rounds: each call of the decision kernel
+    against ``decide_every_depth_calibrated`` on the same inputs and a copy of the same table -- the plan (go
+    flags, widths, next round, probe), the estimates, the evidence and the table folded in place all equal."""
+    import torchspec.runtime.decide_triton as dt
+    from torchspec.runtime.controlled_drafting import decide_every_depth_calibrated
+
+    real_fused, calls = dt.decide_every_depth_fused, []
+
+    def kernel(pool, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified, averages=None):
+        assert averages is not None
+        twin = averages.clone()
+        want, evidence = decide_every_depth_calibrated(pool, sizes, fronts, edges, depth_ms, verify_ms, valid, cal,
+                                                       verified, twin)
+        plan, pending = real_fused(pool, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified, averages)
+        assert averages.tolist() == twin.tolist() and pending.tolist() == evidence.tolist()
+        for field in ("go", "width", "next_depth", "next_width", "drafted", "estimates", "probe_depth", "probe_width"):
+            assert getattr(plan, field).tolist() == getattr(want, field).tolist(), field
+        calls.append(int(plan.next_depth))
+        return plan, pending
+
+    monkeypatch.setattr(dt, "decide_every_depth_fused", kernel)
+    monkeypatch.setenv(PLANS_ENV, "average")
+    monkeypatch.setenv("TORCHSPEC_CONTROLLER_DECIDE", "fused")
+    engine = engine_of(pair)
+    engine.runner.model.lm_head.weight.data.mul_(40.0)
+    ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "one two three", "alpha")]
+    engine.generate(ps, max_new_tokens=32, spec=SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12),
+                    ignore_eos=True, controller_mode="ahead",
+                    controller=linear_table(engine, 0.05, 0.02, widths=[1, 3], nodes=[0, 1, 2, 4, 8, 12]))
+    assert len(calls) > 3 and max(calls) > 1  # several rounds, some planned deeper than one depth
 
 
 @pytest.mark.parametrize("timing", ["graph", "eager"])
