@@ -30,7 +30,8 @@ from torchspec.cli import user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
 
 POINTERS = {"valid_ptr": "*i1", "go_ptr": "*i1", "width_ptr": "*i64", "ints_ptr": "*i64", "pool_ptr": "*fp32",
-            "front_ptr": "*fp32", "edge_ptr": "*fp32", "sums_ptr": "*i64"}  # every other pointer is float64
+            "front_ptr": "*fp32", "edge_ptr": "*fp32", "sums_ptr": "*i64", "estimates_ptr": "*i64",
+            "averages_ptr": "*i64"}  # every other pointer is float64
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +53,9 @@ def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, 
 
     from torchspec.runtime.decide_triton import KERNELS, kernel_variant
     from torchspec.runtime.drafting import pool_steps
+    from torchspec.runtime.plan_averages import plans_how
 
-    meta = kernel_variant(batch, pool_steps(topk), topk, table_depths, calibrated)
+    meta = kernel_variant(batch, pool_steps(topk), topk, table_depths, calibrated, plans_how() == "average")
     meta["EXACT"] = True  # what a GPU compiles (the interpreter's NumPy exp needs no compile)
     num_warps = meta.pop("num_warps")
     seconds, ptx, cubin = 0.0, 0, 0
@@ -66,7 +68,7 @@ def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, 
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
         seconds += time.perf_counter() - start
         ptx, cubin = ptx + len(compiled.asm["ptx"]), cubin + len(compiled.asm["cubin"])
-    return {"batch": batch, "calibrated": calibrated, **{k: meta[k] for k in ("RB", "BG", "BT")},
+    return {"batch": batch, "calibrated": calibrated, "averaged": meta["AVERAGED"], **{k: meta[k] for k in ("RB", "BG", "BT")},
             "seconds": round(seconds, 2), "ptx_bytes": ptx, "cubin_bytes": cubin}
 
 

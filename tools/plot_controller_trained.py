@@ -94,6 +94,40 @@ def plot_controller_plans(runs: dict[str, Path], out: Path) -> None:
     plt.close(fig)
 
 
+def plot_controller_concurrency(drafters: dict[str, Path], out: Path) -> None:
+    """One ``tools/bench_controller.py`` JSON per drafter ({label: file}, each timed with ``--also-plans``), a
+    panel each: per concurrency the best fixed shape and the controller under both plans (speedup, acceptance)."""
+    fig, axes = plt.subplots(1, len(drafters), figsize=(6.5 * len(drafters), 4.4), squeeze=False)
+    device = ""
+    for ax, (name, path) in zip(axes[0], drafters.items()):
+        data = json.loads(Path(path).read_text())
+        device = data["device"]
+        rows = sorted(data["rows"], key=lambda r: r["concurrency"])
+        series = {"best fixed": [(r["best_fixed_speedup"], r["best_fixed_acceptance"], r["best_fixed"]) for r in rows]}
+        for row in rows:
+            for label, speedup, acc, _ in sorted(_plans_runs(row)):
+                series.setdefault(f"controller, {label}", []).append((speedup, acc, ""))
+        width = 0.8 / len(series)
+        colors = {"best fixed": "tab:gray", "controller, plans: average": "tab:green", "controller, plans: last": "tab:olive"}
+        for i, (label, values) in enumerate(series.items()):
+            xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
+            ax.bar(xs, [v[0] for v in values], width, label=label, color=colors.get(label))
+            for x, (s, a, shape) in zip(xs, values):
+                ax.text(x, s + 0.01, f"x{s:.2f}\nacc {a:.2f}" + (f"\n{shape}" if shape else ""), ha="center",
+                        va="bottom", fontsize=6)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(range(len(rows)), [f"c={r['concurrency']}" for r in rows])
+        ax.set_ylim(0, max(v[0] for vs in series.values() for v in vs) * 1.35)
+        ax.set_ylabel("speedup over plain decoding (median of 3 pairs)")
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(textwrap.fill(f"The controller against the best fixed shape, SmolLM2 on MT-Bench ({device})", 90),
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: plot_controller_trained.py <controller_trained JSON> <out.png>")

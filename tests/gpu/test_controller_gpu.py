@@ -115,7 +115,7 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
     real_fused, fused = dt.decide_every_depth_fused, []
 
     def kernel(pool, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified, averages=None):
-        assert averages is None  # the default plans are the last round's (plan_averages.PLANS_ENV)
+        assert averages is None  # the last round's plans
         alpha, scale = cal.choice()  # what the kernel must choose from the same evidence
         evidence = cal.evidence(pool, verified, valid)
         plan, pending = real_fused(pool, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verified, averages)
@@ -129,7 +129,7 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
     monkeypatch.setattr(cd, "decide_after_depth", after)
     monkeypatch.setattr(cd, "decide_every_depth", every)
     monkeypatch.setattr(dt, "decide_every_depth_fused", kernel)
-    monkeypatch.delenv(PLANS_ENV, raising=False)
+    monkeypatch.setenv(PLANS_ENV, "last")  # reference_next_plan: the last round's plan
     engine = engine_of(pair)
     engine.runner.model.lm_head.weight.data.mul_(40.0)  # confident, so rounds go deep (test_controlled_drafting.py)
     ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "one two three", "alpha")]

@@ -1,5 +1,5 @@
 """`tools/plot_controller_trained.py`: the measured and modeled panels from a JSON of that shape, and the committed
-twenty-fourth-session file still plots; the plans comparison from the twenty-fifth session's bench files."""
+twenty-fourth-session file still plots; the plans comparison from the twenty-fifth session's bench files, and by concurrency from the twenty-sixth's."""
 
 from __future__ import annotations
 
@@ -39,3 +39,14 @@ def test_the_plans_comparison_plots_from_the_committed_bench_files(tmp_path):
     assert labels == ["plans: average", "plans: last"]
     tool.plot_controller_plans(runs, tmp_path / "plans.png")
     assert (tmp_path / "plans.png").stat().st_size > 10_000
+
+
+def test_the_concurrency_comparison_plots_from_the_committed_bench_files(tmp_path):
+    tool = load_tool("plot_controller_trained")
+    runs = {f"{name} drafter": REPO / "docs" / "bench" / "controller_s26" / f"controller_{name}_h100.json"
+            for name in ("eagle4", "untrained")}
+    rows = json.loads(runs["eagle4 drafter"].read_text())["rows"]
+    assert sorted(r["concurrency"] for r in rows) == [1, 8, 64]
+    assert sorted(label for label, *_ in tool._plans_runs(rows[0])) == ["plans: average", "plans: last"]
+    tool.plot_controller_concurrency(runs, tmp_path / "by_concurrency.png")
+    assert (tmp_path / "by_concurrency.png").stat().st_size > 10_000

@@ -288,7 +288,7 @@ def kernel_variant(batch: int, first_step: tuple[int, int], frontier: int, table
     table's deepest pool and its children (widths past a pool's size are never rated, but the round's estimates
     and an averaged table cover every one of the table's verify ``widths``: a runtime table has no more), the
     table's depths (at least 8) and the exponents, and whether plans come from the averaged table
-    (``plan_averages``; off by default, as ``TORCHSPEC_CONTROLLER_PLANS`` is) -- one variant per row chunk and
+    (``plan_averages``; as ``TORCHSPEC_CONTROLLER_PLANS`` says, on by default) -- one variant per row chunk and
     calibration a table, whatever the round's depth or batch."""
     first, step = first_step
     columns = triton.next_power_of_2(max(first + step * (table_depths - 1) + frontier + 1, widths))

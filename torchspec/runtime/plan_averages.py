@@ -34,13 +34,14 @@ also names the probe: the entry of the best tokens per ns among those that verif
 drafter's entries all expect ~1 token, so its probe is the cheapest shape (depth 0, one node); a good drafter's
 is the deep round its table rates highest.
 
-**Not the default yet.** Served on an H100 (twenty-fifth session, a 775-step SmolLM2 drafter, MT-Bench c = 1,
-before the probes above): x1.09 against the last round's plans' x1.10 with tensor decisions, x1.00 against
-x1.16 with the fused kernel, repeats spread 0.93-1.18 by how long the plain streaks ran; the fixed tree
-x1.24-1.33. With the probes, in modeled time (CPU replay, the controlled pair at noise 0.15 priced by that H100
-table): x1.34 against the last round's plans' x1.11 (305 plain rounds of 384) and the fixed tree's x1.37, and
-x0.99 for an untrained drafter; served, not yet. ``TORCHSPEC_CONTROLLER_PLANS=average`` opts in; ``tools/bench_controller.py --also-plans average``
-times it beside the default.
+**The default** since the twenty-sixth session. Served on an H100 (a 900-step SmolLM2 drafter, held-out chain
+acceptance 2.97, MT-Bench, 8 prompts, fused decisions, two runs at c = 1): x1.26 and x1.31 against the last
+round's plans' x1.12 and x1.19 (means of clean repeats) and the best fixed shape's x1.21 and x1.25 (the 5-deep
+top-8 tree of 32 nodes); x1.07 at c = 8 (last: x1.07, best fixed: x1.07) and x1.04 at c = 64 (x1.05, x1.09);
+an untrained drafter x0.98, x0.97, x0.98 (docs/results.md, twenty-sixth session). Before the probes above
+(twenty-fifth session) it lost to the last round's plans (x1.00 against x1.16, 819 plain rounds of 932).
+``TORCHSPEC_CONTROLLER_PLANS=last`` plans from the last round alone; ``tools/bench_controller.py --also-plans
+last`` times it beside the default.
 
 The table is ``Calibration.averages_for``'s (one per drafted shape, kept as long as the calibration: CUDA graphs
 capture its address). On CUDA the fused decision (``decide_triton``) folds and plans in its plan kernel,
@@ -56,15 +57,15 @@ import torch
 from torchspec.runtime.controller_policy import NS_PER_MS, _ns, reference_expected_tokens
 
 SHIFT = 1  # the newest round's weight in the average: 2^-SHIFT
-PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "last" (default: the last round's ratings alone) or "average"
+PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "average" (default) or "last" (the last round's ratings alone)
 
 
 def plans_how() -> str:
-    """How ahead mode plans (``TORCHSPEC_CONTROLLER_PLANS``): "last" (the default until averaged plans are measured
-    to serve faster: module docstring) or "average"."""
-    how = os.environ.get(PLANS_ENV, "last")
+    """How ahead mode plans (``TORCHSPEC_CONTROLLER_PLANS``): "average" (the default: served faster, module
+    docstring) or "last"."""
+    how = os.environ.get(PLANS_ENV, "average")
     if how not in ("average", "last"):
-        raise ValueError(f"{PLANS_ENV}={how!r} is not a way to plan: set it to 'last' (the default) or 'average'.")
+        raise ValueError(f"{PLANS_ENV}={how!r} is not a way to plan: set it to 'average' (the default) or 'last'.")
     return how
 
 
