@@ -17,7 +17,7 @@ real target with exported drafters (``--target``, ``--drafter name=path``; ``unt
 every run here (plain, fixed, controller) serves with CUDA graphs on CUDA, and the table measured here is
 graph-timed; ``within`` decides after every depth on the host, so every run goes without graphs and the
 table is eager-timed (``"cuda_graphs"`` in the JSON says which): compare rows of one file. Rows (``--out``,
-JSON, atomic, rewritten after each row) hold ``drafter, target, mode, concurrency, temperature, speedup,
+JSON, atomic, rewritten after each row) hold ``drafter, target, mode, concurrency, requests, temperature, speedup,
 acceptance``, the best fixed shape and its speedup beside the controller's, the controller's (depth, width)
 decisions, the graphs its timed runs still had to capture (planned shapes the warm-up runs never saw: each
 capture is in the timing), the same controller drafting a chain (k = 1), and with ``--also-plans`` the controller
@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=16,
                    help="prompts a timed run decodes (at least the concurrency): c = 1 is not one prompt's luck")
+    p.add_argument("--requests-per-slot", type=int, default=1, metavar="R",
+                   help="a timed run at concurrency c decodes max(R * c, --num-prompts) requests: with 1 every slot "
+                        "runs one request and the run lasts as long as its slowest rows (a closed batch); with 4 "
+                        "each slot is refilled, as a serving engine's are, and that tail is amortised")
     p.add_argument("--repeats", type=int, default=3, help="paired re-timings of the best fixed shape and the controller")
     p.add_argument("--costs", help="a torchspec-profile table of this setup (default: measure it here)")
     p.add_argument("--costs-out", help="where a table measured here is written (default: beside --out)")
@@ -106,7 +110,8 @@ def parse_tree(text: str, flag: str = "--trees entry") -> SpecConfig:
 def check_args(args) -> dict:
     """Every option before a model loads."""
     for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
-                    ("--prompt-len", args.prompt_len), ("--num-prompts", args.num_prompts)):
+                    ("--prompt-len", args.prompt_len), ("--num-prompts", args.num_prompts),
+                    ("--requests-per-slot", args.requests_per_slot)):
         check_at_least(flag, v, 1)
     chains = [SpecConfig(shape="chain", depth=d) for d in csv_values("--chains", args.chains, int)]
     for c in chains:
@@ -211,14 +216,15 @@ def bench(args) -> dict:
     chain = SpecConfig(shape="chain", depth=controlled.depth)  # the controller's k = 1 (chain_from_batch)
     rows, out, measured = [], {"controller_mode": mode, "args": vars(args), "rows": []}, {}
     for name, engine in engines(args, checked, max(levels), args.prompt_len + args.max_new_tokens + 160):
-        prompts = bench_prompts(args, engine, max(*levels, args.num_prompts), g)
+        prompts = bench_prompts(args, engine, max(max(levels) * args.requests_per_slot, args.num_prompts), g)
         table = cost_table(args, engine, controlled, measured)
         out["device"] = table.key.device
         out["costs_timing"] = table.meta.get("timing")
         out["cuda_graphs"] = engine.graphs is not None
         target = args.target or args.shape
         for c in levels:
-            run = partial(measure, engine, prompts[:max(c, args.num_prompts)], params=SamplingParams(),
+            requests = max(c * args.requests_per_slot, args.num_prompts)
+            run = partial(measure, engine, prompts[:requests], params=SamplingParams(),
                           max_new=args.max_new_tokens, seed=args.seed, concurrency=c)
             for spec in [None, *shapes]:  # compiles, captures the graphs
                 engine.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c)
@@ -249,7 +255,8 @@ def bench(args) -> dict:
                     paired_also = paired_timings(partial(run, spec=None), partial(controller_run, ctl_run, engine,
                                                  controlled, table, mode, also), args.repeats)
             rule = table.chain_from_batch if args.chain_from_batch is None else args.chain_from_batch
-            rows.append({"drafter": name, "target": target, "mode": "controller", "concurrency": c, "temperature": 0.0,
+            rows.append({"drafter": name, "target": target, "mode": "controller", "concurrency": c, "requests": requests,
+                         "temperature": 0.0,
                          **paired_fields(paired_ctl), "acceptance": paired_ctl["spec"]["mean_acceptance"],
                          "within": _label(controlled), "controller_chain_from_batch": rule,
                          "controller_drafts": "chain" if rule is not None and c >= rule else "tree",

@@ -331,7 +331,7 @@ controller)
   # ~7x SmolLM2's; CCOSTS: a table measured in an earlier call, e.g. docs/bench/controller_pair_smollm2_h200_s17.costs.json
   # for CSHAPE=smollm2-135m). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request; CALSO=average|last:
   # also the controller planning that way (--also-plans); CTAG: a suffix of the result files (calls that
-  # split the levels).
+  # split the levels); CREQ: requests a slot (--requests-per-slot, 1: a closed batch; 4: slots refilled, as served).
   if [ "${CSTEP:-smollm2}" = smollm2 ]; then
     join_target
     drafter=${SERVE:-}; drafter=${drafter%% *}; drafter=${drafter#*=}; [ -n "$drafter" ] || drafter=$(export_step eagle4)
@@ -339,7 +339,7 @@ controller)
     for name in ${CDRAFTERS:-untrained eagle4}; do  # one bench a drafter (~300 s each on an H200: one call each)
       timeout $(( $(left) - ${PROFILE_S:-90} )) python3 tools/bench_controller.py --target "$W/smollm2.gguf" \
         --cache-dir "$W/cache" --drafter "$name=$drafter" ${costs:+--costs "$costs"} --prompt-set mtbench --num-prompts "${CNUM:-16}" \
-        --prompt-len 256 --max-new-tokens "${CNEW:-128}" --concurrency "${CCONC:-1,8,64}" \
+        --prompt-len 256 --max-new-tokens "${CNEW:-128}" --concurrency "${CCONC:-1,8,64}" --requests-per-slot "${CREQ:-1}" \
         --chains "${CCHAINS:-1,2,3,4,5,6}" --trees "${CTREES:-3x4x8,4x4x16,5x8x32}" ${CALSO:+--also-plans $CALSO} \
         --out "$RES/controller_${name}${CTAG:-}_h200.json" > "$RES/controller_$name${CTAG:-}.log" 2>&1
       grep " c=" "$RES/controller_$name${CTAG:-}.log"

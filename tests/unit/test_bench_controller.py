@@ -50,6 +50,7 @@ def test_rows_hold_the_issue_keys_and_the_best_fixed_shape(result):
         assert all(0 <= d <= 3 and 0 <= w <= 4 and (d > 0 or w == 0) for d, w, _ in r["decisions"])  # d 0: a plain round
         assert all(w <= 3 for _, w, _ in r["chain_decisions"])  # a chain verifies at most its depth
         assert r["controller_chain_from_batch"] is None and r["controller_drafts"] == "tree"  # the table has no rule
+        assert r["requests"] == 2  # --num-prompts 2: a closed batch at c=1 and 2 (--requests-per-slot 1)
     assert set(data["chain_from_batch"]) == {"controlled_noise0.0", "untrained"}
     assert data["cuda_graphs"] is False and not out.with_suffix(".costs.json").exists()  # --costs: none measured
 
@@ -67,6 +68,7 @@ def test_the_untrained_drafter_is_not_verified_and_the_good_one_is(result):
                                           (["--costs", "/nonexistent.json"], "--costs"), (["--repeats", "0"], "--repeats"),
                                           (["--target", "x"], "--target needs"),
                                           (["--chain-from-batch", "0"], "--chain-from-batch"),
+                                          (["--requests-per-slot", "0"], "--requests-per-slot"),
                                           (["--target", "x", "--drafter", "untrained"], "name=<export dir>")])
 def test_bad_options_are_one_line_errors(tool, tmp_path, capsys, bad, message):
     with pytest.raises(SystemExit) as err:
@@ -141,6 +143,7 @@ def test_the_controller_rows_draft_chains_from_the_given_batch(tool, tmp_path):
     linear_table(engine, 0.02, 0.1, widths=[1, 2], nodes=list(range(5))).save(costs)
     out = tmp_path / "ruled.json"
     tool.main([*ARGS, "--noise", "0.0", "--costs", str(costs), "--chain-from-batch", "2", "--also-plans", "last",
+               "--requests-per-slot", "2",
                "--out", str(out)])
     rows = {r["concurrency"]: r for r in json.loads(out.read_text())["rows"]}
     for r in rows.values():
@@ -150,6 +153,7 @@ def test_the_controller_rows_draft_chains_from_the_given_batch(tool, tmp_path):
                                                                      r["also_plans_round_kinds"].values())
     assert "TORCHSPEC_CONTROLLER_PLANS" not in os.environ  # set for the runs inside only
     assert [rows[c]["controller_drafts"] for c in (1, 2)] == ["tree", "chain"]
+    assert [rows[c]["requests"] for c in (1, 2)] == [2, 4]  # --requests-per-slot 2: each slot refilled once
     assert rows[2]["controller_chain_from_batch"] == 2
     assert all(w <= 3 for _, w, _ in rows[2]["decisions"])
     data = json.loads(out.read_text())
