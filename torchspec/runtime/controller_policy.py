@@ -108,7 +108,8 @@ def _units(logp: torch.Tensor) -> torch.Tensor:
     return torch.floor(torch.exp(logp.double()) * PROB_ONE).long()
 
 
-def _ns(ms: torch.Tensor) -> torch.Tensor:
+def cost_ns(ms: torch.Tensor) -> torch.Tensor:
+    """Costs in ms -> integer nanoseconds, half to even (the decision's integers, on every device)."""
     return torch.round(ms.double() * NS_PER_MS).long()
 
 
@@ -153,9 +154,9 @@ def _best(units: torch.Tensor, depth: int, depth_ms: torch.Tensor, verify_ms: to
     """The best width over the pool ``units`` [B, P] after drafting depths 0..depth, and its rate (``ahead``:
     width 0 is a plain round, which drafts nothing)."""
     max_width = min(verify_ms.shape[0] - 1, units.shape[1])
-    cost = _ns(depth_ms[: depth + 1]).sum() + _ns(verify_ms[: max_width + 1])  # [W + 1] ns
+    cost = cost_ns(depth_ms[: depth + 1]).sum() + cost_ns(verify_ms[: max_width + 1])  # [W + 1] ns
     if ahead:  # static
-        cost = torch.cat([_ns(verify_ms[:1]), cost[1:]])
+        cost = torch.cat([cost_ns(verify_ms[:1]), cost[1:]])
     rate = _tokens(units, max_width, row_valid, scale).double() / cost.double()  # [W + 1]
     return torch.argmax(rate), rate.max()  # argmax: the first maximum, so ties go to the smaller width
 
@@ -248,13 +249,13 @@ def decide_every_depth(pool_logp: torch.Tensor, sizes: list[int], children_logp:
         unscaled = torch.cumsum(ranked.sum(1), 1)  # [D, W]
         scaled = _scaled_cumsum(ranked.sum(1), scale)
         tokens = row_valid.sum() * PROB_ONE + torch.cat([scaled.new_zeros(d, 1), scaled], 1)  # [D, W + 1]
-        verify = _ns(verify_ms[: width + 1])  # [W + 1]
+        verify = cost_ns(verify_ms[: width + 1])  # [W + 1]
         cost = torch.cat([verify[:1].expand(d, 1), drafted_ns[:, None] + verify[1:]], 1)  # width 0: a plain round
         rate = tokens.double() / cost.double()
         rated = _below(width + 1, [w + 1 for w in widest], dev)
         return torch.where(rated, rate, -1.0), unscaled, torch.where(rated, tokens, -1)
 
-    drafted_ns = torch.cumsum(_ns(depth_ms), 0)  # [T] ns of depths 0..t
+    drafted_ns = torch.cumsum(cost_ns(depth_ms), 0)  # [T] ns of depths 0..t
     rate, unscaled, tokens = rates(current, cur_w, [min(n_max, n) for n in sizes], drafted_ns[:d])
     deeper_ns = torch.cat([drafted_ns, drafted_ns[-1:]])[1:d + 1]  # depths 0..d+1 (the table's last: never used)
     deeper, _, grown_tokens = rates(grown, grown_w, [min(n_max, n + f) for n in sizes], deeper_ns)
@@ -398,7 +399,8 @@ def reference_next_sampled_depth(go_flags: list[bool], max_depth: int) -> int:
     return min(len(go_flags) + 1, max_depth)
 
 
-__all__ = ["PROB_ONE", "RANK_BUCKETS", "SCALE_ONE", "INITIAL_SAMPLED_DEPTH", "Decision", "RoundPlan", "check_costs", "expected_tokens",
+__all__ = ["PROB_ONE", "RANK_BUCKETS", "SCALE_ONE", "INITIAL_SAMPLED_DEPTH", "Decision", "RoundPlan", "check_costs",
+           "cost_ns", "expected_tokens",
            "verify_width", "decide_after_depth", "decide_every_depth", "next_sampled_depth", "chain_depth_for_batch",
            "bucket_of", "rank_bucket", "rank_buckets",
            "reference_expected_tokens", "reference_verify_width", "reference_decide_after_depth", "reference_next_plan",

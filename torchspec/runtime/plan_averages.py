@@ -54,7 +54,7 @@ import os
 
 import torch
 
-from torchspec.runtime.controller_policy import NS_PER_MS, _ns, reference_expected_tokens
+from torchspec.runtime.controller_policy import NS_PER_MS, cost_ns, reference_expected_tokens
 
 SHIFT = 1  # the newest round's weight in the average: 2^-SHIFT
 PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "average" (default) or "last" (the last round's ratings alone)
@@ -86,8 +86,8 @@ def plan_from(averages: torch.Tensor, depth_ms: torch.Tensor, verify_ms: torch.T
     if depth_ms.shape != (t,) or verify_ms.shape != (w,):
         raise ValueError(f"plan_from: averages {tuple(averages.shape)} need depth_ms [{t}] and verify_ms [{w}], got "
                          f"{tuple(depth_ms.shape)} and {tuple(verify_ms.shape)}.")
-    verify = _ns(verify_ms)  # [W]
-    cost = torch.cumsum(_ns(depth_ms), 0)[:, None] + verify[None, :]  # [T, W] depths 0..c, then verify
+    verify = cost_ns(verify_ms)  # [W]
+    cost = torch.cumsum(cost_ns(depth_ms), 0)[:, None] + verify[None, :]  # [T, W] depths 0..c, then verify
     cost = torch.cat([verify[:1].expand(t, 1), cost[:, 1:]], 1)  # width 0: a plain round, which drafts nothing
     rate = torch.where(averages >= 0, averages.double() / cost.double(), -1.0)
     at = torch.argmax(rate.flatten())  # the first maximum: the shallower, then the narrower
