@@ -229,9 +229,8 @@ def bench(args) -> dict:
             for spec in [None, *shapes]:  # compiles, captures the graphs
                 engine.generate(prompts[:c], max_new_tokens=8, spec=spec, concurrency=c)
             warm_ups = [(controlled, None), (chain, None)] + ([(controlled, args.also_plans)] if args.also_plans else [])
-            for spec, plans in warm_ups:  # each way of planning its own graphs (the decision kernel's variant)
-                if engine.graphs is not None:  # a whole run each (the twenty-sixth session's default controller had
-                    #  none beside --also-plans, and its first timed repeat captured 96 graphs at ~0.05x)
+            for spec, plans in warm_ups:  # each way of planning has its own graphs (the decision kernel's variant)
+                if engine.graphs is not None:  # a whole run each, so no timed repeat captures a graph
                     with plans_env(plans):  # its first round captures every shape it may plan (capture_round_shapes)
                         run(spec=spec, controller=table, controller_mode=mode,
                             chain_from_batch=args.chain_from_batch if spec is controlled else None)

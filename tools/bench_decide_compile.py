@@ -68,8 +68,9 @@ def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, 
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
         seconds += time.perf_counter() - start
         ptx, cubin = ptx + len(compiled.asm["ptx"]), cubin + len(compiled.asm["cubin"])
-    return {"batch": batch, "calibrated": calibrated, "averaged": meta["AVERAGED"], **{k: meta[k] for k in ("RB", "BG", "BT")},
-            "seconds": round(seconds, 2), "ptx_bytes": ptx, "cubin_bytes": cubin}
+    return {"batch": batch, "calibrated": calibrated, "averaged": meta["AVERAGED"],
+            **{k: meta[k] for k in ("RB", "BG", "BT")}, "seconds": round(seconds, 2), "ptx_bytes": ptx,
+            "cubin_bytes": cubin}
 
 
 def bench(args) -> dict:

@@ -108,7 +108,8 @@ def plot_controller_concurrency(drafters: dict[str, Path], out: Path) -> None:
             for label, speedup, acc, _ in sorted(_plans_runs(row)):
                 series.setdefault(f"controller, {label}", []).append((speedup, acc, ""))
         width = 0.8 / len(series)
-        colors = {"best fixed": "tab:gray", "controller, plans: average": "tab:green", "controller, plans: last": "tab:olive"}
+        colors = {"best fixed": "tab:gray", "controller, plans: average": "tab:green",
+                  "controller, plans: last": "tab:olive"}
         for i, (label, values) in enumerate(series.items()):
             xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
             ax.bar(xs, [v[0] for v in values], width, label=label, color=colors.get(label))

@@ -104,7 +104,7 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
         within.append([host(t) for t in (pool, front, edge, depth, depth_ms, verify_ms, valid, scale)])
         return real_after(pool, front, edge, depth, depth_ms, verify_ms, valid, scale)
 
-    def every(pool, sizes, children, depth_ms, verify_ms, valid, scale, verified):  # the default (last-round) plans
+    def every(pool, sizes, children, depth_ms, verify_ms, valid, scale, verified):  # the last round's plans (PLANS_ENV below)
         plan = real_every(pool, sizes, children, depth_ms, verify_ms, valid, scale, verified)
         ahead.append([host(t) for t in (pool, list(sizes), children, depth_ms, verify_ms, valid, scale, verified,
                                         plan.go, plan.width, plan.drafted, torch.stack([plan.next_depth, plan.next_width]))])

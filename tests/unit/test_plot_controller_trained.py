@@ -1,5 +1,6 @@
 """`tools/plot_controller_trained.py`: the measured and modeled panels from a JSON of that shape, and the committed
-twenty-fourth-session file still plots; the plans comparison from the twenty-fifth session's bench files, and by concurrency from the twenty-sixth's."""
+twenty-fourth-session file still plots; the plans comparison from the twenty-fifth session's bench files, and by
+concurrency from the twenty-sixth's."""
 
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ round drafts its planned (depth, width) as a fixed shape (``grow_dynamic_tree(fr
 evaluates the criterion at each of its depths on its own scores and plans the next round: among the depths
 drafted and one more (its children predicted as the go criterion predicts them), the (depth, width) of the
 highest expected tokens per ms, rated on an average of recent rounds' ratings of every (depth, width), kept on
-the device (``plan_averages.py``; ``TORCHSPEC_CONTROLLER_PLANS=last``: on the last round's alone, ``RoundPlan.next_depth``, ``next_width``)
+the device (``plan_averages.py``; ``TORCHSPEC_CONTROLLER_PLANS=last``: on the last round's alone,
+``RoundPlan.next_depth``, ``next_width``)
 -- widths beyond ``DENSE_WIDTHS`` only where the table measured them. On CUDA that decision is one Triton kernel
 (``decide_triton.py``, bit for bit the tensor version's; ~70 small kernels cost as much as a draft depth).
 The plan is four ints in the round's output (its depth and width, and a probe's), read with the committed
