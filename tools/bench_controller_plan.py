@@ -26,9 +26,10 @@ sys.path.insert(0, str(REPO))
 
 from torchspec.io import atomic_write_text  # noqa: E402
 from torchspec.runtime.calibration import Calibration  # noqa: E402
-from torchspec.runtime.controlled_drafting import Controller, RoundCosts  # noqa: E402
+from torchspec.runtime.controlled_drafting import Controller  # noqa: E402
 from torchspec.runtime.cost_table import CostKey, CostTable  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig  # noqa: E402
+from torchspec.runtime.round_costs import RoundCosts  # noqa: E402
 from torchspec.runtime.sampling import SamplingParams  # noqa: E402
 
 

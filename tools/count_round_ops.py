@@ -136,8 +136,8 @@ def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]
     its plain round (a plain step that defers the drafter's entry)."""
     from torchspec.runtime import controlled_drafting
     from torchspec.runtime.calibration import Calibration
-    from torchspec.runtime.controlled_drafting import RoundCosts
     from torchspec.runtime.drafting import SpecConfig
+    from torchspec.runtime.round_costs import RoundCosts
     from torchspec.runtime.sampling import SamplingParams
     from torchspec.runtime.steps import plain_step_deferring_drafter, speculate
 

@@ -205,8 +205,9 @@ def controller_phases(engine, args, inp, params) -> dict:
     costs are synthetic (a depth 0.1 ms, verifying n nodes 1 + 0.01 n ms): the decision's work does not depend
     on them."""
     from torchspec.runtime.calibration import Calibration
-    from torchspec.runtime.controlled_drafting import RoundCosts, draft_ahead_tree
+    from torchspec.runtime.controlled_drafting import draft_ahead_tree
     from torchspec.runtime.drafting import SpecConfig
+    from torchspec.runtime.round_costs import RoundCosts
     from torchspec.runtime.steps import speculate
 
     dev, b = inp.root.device, inp.root.shape[0]

@@ -384,7 +384,7 @@ def test_a_changed_drafter_starts_a_new_calibration_and_probe_schedule(engine, t
 def test_every_round_pays_the_tables_host_time(engine):
     """A table's host time a round (``overhead_ms``) is added to every verify cost, plain step included; depth 0
     stays the whole width-0 round less the timed plain step."""
-    from torchspec.runtime.controlled_drafting import RoundCosts
+    from torchspec.runtime.round_costs import RoundCosts
 
     bare = table(engine, depth=0.05, verify_per_node=0.02)
     timed = dataclasses.replace(bare, overhead=torch.tensor([0.3, 0.4, 0.5], dtype=torch.float64))
@@ -426,7 +426,8 @@ def test_a_probe_drafts_the_best_verifying_shape_the_averages_rate(engine, monke
 def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):
     """A table lookup is ~0.4 ms of host time, more than a third of a SmolLM2 step on an H200: the controller keeps
     each (shape, batch, 64 tokens of context) lookup's device tensors and every round reuses them."""
-    from torchspec.runtime.controlled_drafting import CTX_STEP, PLAIN_ROUND, Controller, RoundCosts
+    from torchspec.runtime.controlled_drafting import CTX_STEP, PLAIN_ROUND, Controller
+    from torchspec.runtime.round_costs import RoundCosts
     from torchspec.runtime.sampling import SamplingParams
 
     costs = table(engine, depth=0.05, verify_per_node=0.02, noise=0.5)
@@ -461,11 +462,11 @@ def test_width_0_streaks_run_plain_rounds_and_catch_the_drafter_up_at_the_probe(
     probes = [i for i, plan in enumerate(trace) if plan != PLAIN_ROUND]
     assert probes == [p for p in _probe_rounds(len(trace))] and all(trace[i] == (1, 1) for i in probes)
 
-    from torchspec.runtime.controlled_drafting import RoundCosts
     from torchspec.runtime.cost_profile import _Rows
     from torchspec.runtime.drafting import DraftInputs
     from torchspec.runtime.paged_kv import TRASH_PAGE
     from torchspec.runtime.pending_drafter import catch_up_pending
+    from torchspec.runtime.round_costs import RoundCosts
     from torchspec.runtime.sampling import SamplingParams
     from torchspec.runtime.steps import plain_step_deferring_drafter, speculate
 

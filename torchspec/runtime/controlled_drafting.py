@@ -52,7 +52,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
 
 import torch
 
@@ -69,8 +68,8 @@ from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, TreePool, grow_dynamic_tree
 from torchspec.runtime.paged_kv import PagedKVCache
 from torchspec.runtime.plan_averages import fold, plan_from, plans_how
+from torchspec.runtime.round_costs import DENSE_WIDTHS, RoundCosts, check_table_for
 from torchspec.runtime.sampling import SamplingParams
-from torchspec.runtime.scheduler import host_to_device
 from torchspec.runtime.tree import DraftTree
 
 MODES = ("ahead", "within")
@@ -79,92 +78,9 @@ PROBE_EVERY = 8  # while the plan is width 0, the first round and the PROBE_EVER
 PROBE_WIDTH = 1  # a probe verifies this many nodes (an underconfident drafter is found out only by verifying it)
 PROBE_MOST = 64  # ... the streak between probes doubling after each probe that plans width 0 again, up to this
 CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP tokens of context) and kept
-DENSE_WIDTHS = 8  # ahead mode verifies any width up to this; beyond it, only the node counts the table measured
-UNMEASURED_MS = 1e9  # the verify cost of a width beyond DENSE_WIDTHS the table did not measure (never chosen)
 DECIDE_ENV = "TORCHSPEC_CONTROLLER_DECIDE"  # "fused" (default: one Triton kernel on CUDA) or "tensor"
 _UNBUILT: list[str] = []  # why the decision kernel could not be built here, once it could not (then: tensor ops)
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RoundCosts:
-    """One round's measured costs (ms) on the round's device: ``depth_ms`` [D] (depth 0: what any
-    speculating round pays beyond its verify forward -- the root's candidates, the decision, acceptance
-    and the drafter's catch-up -- the table's whole width-0 round less its plain step; depth d >= 1: a
-    drafter depth over the k-node frontier) and ``verify_ms`` [N + 1] (index: drafted nodes verified; 0
-    is a plain step; each with the table's host time a round, ``CostTable.overhead_ms``). ``trace`` collects
-    (depths drafted, width) per round; ``calibration`` scales the drafter's confidence (module docstring). A
-    round's ``plan`` (ahead mode: the (depth, width) it drafts) is part of its graph's key; the tensors are its
-    graph's inputs."""
-
-    depth_ms: torch.Tensor
-    verify_ms: torch.Tensor
-    calibration: Calibration
-    trace: list[tuple[int, int]] = field(default_factory=list)
-    max_sampled_depth: int = 0  # sampled rounds: the deepest they may grow (spec's depth)
-    plan: tuple[int, int] | None = None  # ahead mode: this greedy round's (depths drafted, width verified)
-    averages: torch.Tensor | None = None  # ahead mode: the averaged plan table the round folds into (plan_averages)
-    flush: bool = False  # the first round drafting after plain rounds: it catches the drafter up on them first
-
-    @classmethod
-    def lookup(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, calibration: Calibration,
-               trace: list[tuple[int, int]] | None = None, measured_only: bool = False) -> RoundCosts:
-        """The costs of a round of ``spec``'s shape at padded ``batch`` and ``ctx`` committed tokens
-        (``trace``: the list the round's decision is appended to; ``measured_only``: widths above
-        ``DENSE_WIDTHS`` the table did not measure cost ``UNMEASURED_MS``, so the policy picks every small
-        width (a chain grows one node a depth) and otherwise the measured node counts: ahead mode's graphs
-        are one per planned (depth, width), a few dozen at most)."""
-        k = 1 if spec.shape == "chain" else spec.topk
-        wide = table.depth_ms(batch, ctx)[table.widths.index(k)]  # [len(table.widths)] -> k's
-        device = calibration.accepted.device
-        verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1]
-        depth_ms = torch.cat([_round_extra(table, batch, ctx, verify_ms)[None], wide.expand(spec.depth - 1)])
-        verify_ms = verify_ms + table.overhead_ms(batch)  # every round, plain or not, pays the host's time
-        if measured_only:
-            measured = torch.arange(verify_ms.shape[0]) <= DENSE_WIDTHS
-            measured[[n for n in table.nodes if n < verify_ms.shape[0]]] = True
-            verify_ms = torch.where(measured, verify_ms, UNMEASURED_MS)
-        return cls(host_to_device(depth_ms, depth_ms.dtype, device), host_to_device(verify_ms, verify_ms.dtype, device),
-                   calibration, [] if trace is None else trace)
-
-    @classmethod
-    def lookup_sampled(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, calibration: Calibration
-                       ) -> RoundCosts:
-        """A sampled round's costs for every depth ``spec`` allows: level d >= 1 is a drafter forward over
-        the previous level's prod(widths[:d]) nodes (the nearest measured width at or above it, else the
-        widest), level 0 the width-1 step; verification up to every node of the deepest tree."""
-        sampled = SamplingParams(temperature=1.0)
-        widths = spec.widths(sampled)
-        depth_row, device = table.depth_ms(batch, ctx), calibration.accepted.device
-        most = min(spec.num_drafted(sampled), table.nodes[-1])
-        verify_ms = table.verify_ms(batch, ctx)[: most + 1]
-        levels, front = [_round_extra(table, batch, ctx, verify_ms)], widths[0]
-        verify_ms = verify_ms + table.overhead_ms(batch)  # every round pays the host's time
-        for d in range(1, spec.depth):
-            fits = [i for i, w in enumerate(table.widths) if w >= front]
-            levels.append(depth_row[fits[0] if fits else -1])
-            front *= widths[d]
-        depth_ms = torch.stack(levels)
-        return cls(host_to_device(depth_ms, depth_ms.dtype, device), host_to_device(verify_ms, verify_ms.dtype, device),
-                   calibration, max_sampled_depth=spec.depth)
-
-
-def _round_extra(table: CostTable, batch: int, ctx: int, verify_ms: torch.Tensor) -> torch.Tensor:
-    """Depth 0's cost: the table's whole width-0 round less its plain step (at least a microsecond)."""
-    return (table.round_ms(batch, ctx) - verify_ms[0]).clamp(min=1e-3)
-
-
-def check_table_for(table: CostTable, spec: SpecConfig) -> None:
-    """At configuration: the table must hold what ``spec``'s rounds look up (one-line ValueErrors)."""
-    k = 1 if spec.shape == "chain" else spec.topk
-    for w in sorted({1, k}):
-        if w not in table.widths:
-            raise ValueError(f"cost table widths {table.widths} lack the drafter width {w} of spec shape={spec.shape!r}"
-                             f" topk={spec.topk}; re-run torchspec-profile with --widths including {w}.")
-    most = spec.num_drafted(SamplingParams())
-    if table.nodes[-1] < most:
-        raise ValueError(f"cost table nodes go up to {table.nodes[-1]} but spec verifies up to {most}; re-run "
-                         f"torchspec-profile with --nodes up to {most} or lower spec num_nodes.")
 
 
 class Controller:
@@ -430,6 +346,5 @@ def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: Draft
     return pool.tree(inp.root, m)
 
 
-__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Controller", "RoundCosts",
-           "check_table_for", "decide_every_depth_calibrated", "decide_how", "draft_ahead_tree",
-           "draft_controlled_tree"]
+__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Controller",
+           "decide_every_depth_calibrated", "decide_how", "draft_ahead_tree", "draft_controlled_tree"]

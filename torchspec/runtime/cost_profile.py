@@ -179,8 +179,8 @@ def verify_fn(engine, b: int, ctx: int, n: int) -> Callable[[], object]:
 def round_fn(engine, b: int, ctx: int, k: int) -> Callable[[], object]:
     """A whole ahead-mode round planned (1, 0) with top-``k`` candidates (module docstring)."""
     from torchspec.runtime.calibration import Calibration
-    from torchspec.runtime.controlled_drafting import RoundCosts
     from torchspec.runtime.drafting import SpecConfig
+    from torchspec.runtime.round_costs import RoundCosts
     from torchspec.runtime.steps import speculate
 
     rows = _Rows(engine, b, ctx, 2)

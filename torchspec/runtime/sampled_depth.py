@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from torchspec.runtime.controlled_drafting import RoundCosts
 from torchspec.runtime.controller_policy import decide_after_depth, next_sampled_depth
+from torchspec.runtime.round_costs import RoundCosts
 from torchspec.runtime.tree import DraftTree
 
 
