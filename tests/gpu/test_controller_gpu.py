@@ -23,10 +23,12 @@ from torchspec.runtime.controller_policy import (
     RANK_BUCKETS,
     decide_after_depth,
     expected_tokens,
+    verify_width,
+)
+from torchspec.runtime.controller_reference import (
     reference_decide_after_depth,
     reference_expected_tokens,
     reference_next_plan,
-    verify_width,
 )
 from torchspec.runtime.cost_profile import profile_costs
 from torchspec.runtime.cost_table import device_name

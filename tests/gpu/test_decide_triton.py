@@ -114,7 +114,7 @@ def _compare(pools, sizes, fronts, edges, depth_ms, verify_ms, valid, cal, verif
 
 
 def test_random_rounds_decide_as_the_tensor_version_and_the_reference():
-    from torchspec.runtime.controller_policy import reference_next_plan
+    from torchspec.runtime.controller_reference import reference_next_plan
     from torchspec.runtime.plan_averages import reference_fold, reference_plan_from, reference_round_estimates
 
     gen = torch.Generator().manual_seed(7)

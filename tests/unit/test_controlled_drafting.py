@@ -259,7 +259,8 @@ def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_to
     ``expected_tokens`` of the verified nodes."""
     import torchspec.runtime.controlled_drafting as cd
     import torchspec.runtime.steps as steps
-    from torchspec.runtime.controller_policy import PROB_ONE, expected_tokens, reference_next_plan
+    from torchspec.runtime.controller_policy import PROB_ONE, expected_tokens
+    from torchspec.runtime.controller_reference import reference_next_plan
     from torchspec.runtime.drafting import grow_dynamic_tree
     from torchspec.runtime.plan_averages import (
         PLANS_ENV,

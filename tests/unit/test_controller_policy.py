@@ -23,12 +23,14 @@ from torchspec.runtime.controller_policy import (
     decide_after_depth,
     expected_tokens,
     next_sampled_depth,
+    verify_width,
+)
+from torchspec.runtime.controller_reference import (
     reference_decide_after_depth,
     reference_expected_tokens,
     reference_next_plan,
     reference_next_sampled_depth,
     reference_verify_width,
-    verify_width,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")

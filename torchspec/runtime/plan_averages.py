@@ -54,7 +54,8 @@ import os
 
 import torch
 
-from torchspec.runtime.controller_policy import NS_PER_MS, cost_ns, reference_expected_tokens
+from torchspec.runtime.controller_policy import NS_PER_MS, cost_ns
+from torchspec.runtime.controller_reference import reference_expected_tokens
 
 SHIFT = 1  # the newest round's weight in the average: 2^-SHIFT
 PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "average" (default) or "last" (the last round's ratings alone)
