@@ -12,8 +12,9 @@ Builds the controlled-acceptance pair of ``tools/bench_runtime_efficiency.py`` a
     head       one depth's head inside ``draft``: the greedy chain's scoreless argmax, the tree's log-softmax + top-k
 
 ``--spec controller`` adds the draft controller's ahead-mode round of the tree's own shape (planned depth
-``--depth``, width ``--num-nodes``; issue 14): ``controller.round`` against ``tree.round`` is what controlling
-costs a round, split into ``controller.draft`` (the tree drafted with every depth's frontier, and the next
+``--depth``, width ``--num-nodes``; issue 14; ``--controller-shape chain``: a chain's, against ``chain.round``),
+planning as the runtime does by default (``plan_averages``): ``controller.round`` against ``tree.round`` is
+what controlling costs a round, split into ``controller.draft`` (the tree drafted with every depth's frontier, and the next
 round's decision: one Triton kernel) and ``controller.observe`` (the calibration's update after verification).
 
 Each graph is replayed 50 times (median, CUDA events) and its eager run is profiled once for the
@@ -207,14 +208,17 @@ def controller_phases(engine, args, inp, params) -> dict:
     from torchspec.runtime.calibration import Calibration
     from torchspec.runtime.controlled_drafting import draft_ahead_tree
     from torchspec.runtime.drafting import SpecConfig
+    from torchspec.runtime.plan_averages import plans_how
     from torchspec.runtime.round_costs import RoundCosts
     from torchspec.runtime.steps import speculate
 
     dev, b = inp.root.device, inp.root.shape[0]
-    spec = SpecConfig(shape="tree", depth=args.depth, topk=args.topk, num_nodes=args.num_nodes)
+    spec = SpecConfig(shape=args.controller_shape, depth=args.depth, topk=args.topk, num_nodes=args.num_nodes)
     cal = Calibration(dev)
     costs = RoundCosts(torch.full((args.depth,), 0.1, device=dev),
                        1 + 0.01 * torch.arange(args.num_nodes + 1.0, device=dev), cal, plan=(args.depth, args.num_nodes))
+    if plans_how() == "average":  # the runtime's default: plans from the averaged table, folded by the kernel
+        costs.averages = cal.averages_for(spec.shape, args.depth, args.num_nodes + 1)
     draft_ahead_tree(engine.runner, engine.caches.drafter, inp, spec, costs)
     pending = cal.pending.clone()
     accepted = torch.full((b,), 2, dtype=torch.long, device=dev)
@@ -237,6 +241,8 @@ def main() -> None:
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--spec", default="chain,tree", help="chain, tree and/or controller")
+    p.add_argument("--controller-shape", choices=["tree", "chain"], default="tree",
+                   help="what --spec controller drafts: the tree's shape, or a chain (high concurrency's)")
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--num-nodes", type=int, default=16)
