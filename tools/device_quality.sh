@@ -26,7 +26,8 @@
 #   The calls must follow each other within the machine's 30 s idle window, or /tmp is gone.
 #
 # stage: SWEEP=1 times the attention planner's split counts against explicit ones (alone on the GPU: call 1);
-# PROFILE=1 profiles a SmolLM2-shaped round phase by phase (tools/profile_round.py);
+# PROFILE=1 profiles a SmolLM2-shaped round phase by phase (tools/profile_round.py), and the controller's chain
+# round against the fixed chain's at batch 64;
 # regenerate: REGEN_WORKERS worker processes (default three a GPU: 42.0K tokens/s on one H200, against 29.7K for two and 16.3K for one,
 # 2026-12-02) of REGEN_CONC requests each (256), replies of at most REGEN_TOKENS tokens (256, what the held-out sets
 # and serving use: SmolLM2's long greedy replies loop, and at ~24M tokens 256-token replies on all 16,884 conversations
@@ -125,6 +126,11 @@ round_profile() {  # issue 13: a SmolLM2-shaped round phase by phase (cold Trito
     --topk "$k" --num-nodes "$n" --json "$RES/round_profile_smollm2_tree_${d}x${k}x${n}.json" \
     > "$RES/round_profile_smollm2_tree.log" 2>&1
   tail -n 6 "$RES/round_profile_smollm2_tree.log"
+  # the controller's chain round against the fixed chain's at batch 64 (what controlling costs where chains serve)
+  timeout 150 python3 tools/profile_round.py --shape smollm2-135m --batch 64 --ctx 512 --spec chain,controller \
+    --controller-shape chain --depth 2 --num-nodes 2 --timeline --json "$RES/round_profile_smollm2_chain_b64.json" \
+    > "$RES/round_profile_smollm2_chain_b64.log" 2>&1
+  grep "b=64" "$RES/round_profile_smollm2_chain_b64.log" | cut -c1-160
   [ "${PROFILE:-}" = all ] || return 0
   for shape in smollm2-135m qwen3-8b; do for ctx in 2048 32768; do
     timeout 90 python3 tools/profile_decode_step.py --shape $shape --ctx $ctx --max-context 33792 --fuse \
@@ -360,8 +366,9 @@ controller)
     timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --shape "${CSHAPE:-qwen3-8b}" ${CCOSTS:+--costs "$CCOSTS"} \
       --noise "${CNOISE:-0.0,untrained}" --max-new-tokens "${CNEW:-64}" --concurrency "${CCONC:-1,8,64}" \
       --num-prompts "${CNUM:-8}" --chains "${CCHAINS:-1,3,5}" --trees "${CTREES:-3x4x8,4x4x16,5x8x32}" \
-      --out "$RES/controller_${CSHAPE:-qwen3-8b}_h200.json" > "$RES/controller_pair.log" 2>&1
-    tail -n 10 "$RES/controller_pair.log"
+      --requests-per-slot "${CREQ:-1}" --out "$RES/controller_${CSHAPE:-qwen3-8b}${CTAG:-}_h200.json" \
+      > "$RES/controller_pair${CTAG:-}.log" 2>&1
+    tail -n 10 "$RES/controller_pair${CTAG:-}.log"
   fi
   ;;
 *)
