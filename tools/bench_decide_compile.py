@@ -39,14 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,8,64", help="padded batch sizes (comma-separated)")
     p.add_argument("--topk", default="8,1", help="dynamic trees' widths (1: the chain), comma-separated")
     p.add_argument("--table-depths", type=int, default=6, help="the cost table's depths")
+    p.add_argument("--num-nodes", type=int, default=32,
+                   help="the trees' verified nodes at most (a chain verifies up to --table-depths): the averaged "
+                        "table's verify widths, as the runtime passes them")
     p.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: Hopper)")
     p.add_argument("--out", default="docs/bench/decide_compile_cpu.json")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return p
 
 
-def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, arch: int) -> dict:
-    """Compile one variant for ``arch``; -> its compile-time arguments, seconds and sizes."""
+def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, arch: int, num_nodes: int = 32) -> dict:
+    """Compile one variant for ``arch`` (its averaged table as wide as the round's verify widths: 0 .. ``num_nodes``
+    for a tree, 0 .. ``table_depths`` for a chain); -> its compile-time arguments, seconds and sizes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -55,7 +59,8 @@ def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, 
     from torchspec.runtime.drafting import pool_steps
     from torchspec.runtime.plan_averages import plans_how
 
-    meta = kernel_variant(batch, pool_steps(topk), topk, table_depths, calibrated, plans_how() == "average")
+    widths = (num_nodes if topk > 1 else table_depths) + 1
+    meta = kernel_variant(batch, pool_steps(topk), topk, table_depths, calibrated, plans_how() == "average", widths)
     meta["EXACT"] = True  # what a GPU compiles (the interpreter's NumPy exp needs no compile)
     num_warps = meta.pop("num_warps")
     seconds, ptx, cubin = 0.0, 0, 0
@@ -75,9 +80,9 @@ def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, 
 
 def bench(args) -> dict:
     batches, widths = csv_values("--batches", args.batches, int), csv_values("--topk", args.topk, int)
-    if min(batches) < 1 or min(widths) < 1 or args.table_depths < 1:
-        raise ValueError(f"--batches {args.batches} / --topk {args.topk} / --table-depths {args.table_depths}: "
-                         "each at least 1.")
+    if min(batches) < 1 or min(widths) < 1 or args.table_depths < 1 or args.num_nodes < 1:
+        raise ValueError(f"--batches {args.batches} / --topk {args.topk} / --table-depths {args.table_depths} / "
+                         f"--num-nodes {args.num_nodes}: each at least 1.")
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="decide_compile_")  # every variant compiled afresh
     import triton
 
@@ -85,7 +90,8 @@ def bench(args) -> dict:
     for topk in widths:
         for calibrated in (False, True):
             for b in batches:
-                row = {"topk": topk, **compile_variant(b, topk, args.table_depths, calibrated, args.arch)}
+                row = {"topk": topk, **compile_variant(b, topk, args.table_depths, calibrated, args.arch,
+                                                       args.num_nodes)}
                 key = (topk, row["RB"], row["BG"], row["BT"], calibrated)
                 row["new_variant"] = key not in seen  # a batch of the same row chunk reuses the compiled kernel
                 seen.add(key)
