@@ -22,7 +22,9 @@ acceptance``, the best fixed shape and its speedup beside the controller's, the 
 decisions, the graphs its timed runs still had to capture (planned shapes the warm-up runs never saw: each
 capture is in the timing), the same controller drafting a chain (k = 1), and with ``--also-plans`` the controller
 planning its rounds the other way too (``also_plans_speedup``: "average", from recent rounds' ratings,
-``torchspec/runtime/plan_averages.py``, or "last", the last round's alone; ``plans``: the runtime's default); ``chain_from_batch`` per drafter is the
+``torchspec/runtime/plan_averages.py``, or "last", the last round's alone; ``plans``: the runtime's default), and
+``priced``: every run's speedup priced per round, as refilled slots would see it (``price_controller_rounds.py``;
+at c > 1 a closed batch's tail is in the measured speedup, not in this); ``chain_from_batch`` per drafter is the
 concurrency from which the chain wins (the engine's ``chain_from_batch``: the table the issue asks to
 measure per setup).
 
@@ -46,6 +48,8 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
+
+from price_controller_rounds import priced_fields  # noqa: E402
 
 from recipes.bench import csv_values, measure, paired_fields, paired_timings  # noqa: E402
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
@@ -282,6 +286,7 @@ def bench(args) -> dict:
                                                          if engine.graphs is not None else 0),
                          "sweep": {k: {"speedup": v["tokens_per_s"] / plain["tokens_per_s"],
                                        "acceptance": v["mean_acceptance"]} for k, v in fixed.items()}})
+            rows[-1]["priced"] = priced_fields(rows[-1])  # per round, as refilled slots see it (its module)
             print(format_row(rows[-1]), flush=True)
             print(format_kinds(rows[-1]), flush=True)
             out["rows"] = rows
@@ -338,7 +343,8 @@ def format_row(r: dict) -> str:
     return (f"{r['drafter']:<22} c={r['concurrency']:<3} controller x{r['speedup']:.2f} (acceptance "
             f"{r['acceptance']:.2f}), as a chain x{r['chain_controller_speedup']:.2f}  best fixed {r['best_fixed']} "
             f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}  graphs captured while timed "
-            f"{r['graphs_captured_while_timed']}" + (f"  EAGER (capture failed): {r['graphs_failed']}" if r["graphs_failed"] else "")
+            f"{r['graphs_captured_while_timed']}  priced a round: ratio {r['priced']['controller_vs_best_fixed']:.2f}"
+            + (f"  EAGER (capture failed): {r['graphs_failed']}" if r["graphs_failed"] else "")
             + (f"  plans {r['also_plans']} x{r['also_plans_speedup']:.2f} (acceptance {r['also_plans_acceptance']:.2f})"
                if "also_plans_speedup" in r else ""))
 

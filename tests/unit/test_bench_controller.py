@@ -131,6 +131,9 @@ def test_rows_say_where_the_rounds_time_goes(result):
             labels = {f"d{d}w{w}" for d, w, _ in decisions if w} | {"plain-deferring"}
             assert set(kinds) <= labels and all(v["ms"] > 0 for v in kinds.values()), (kinds, decisions)
             assert sum(v["rounds"] for v in kinds.values()) == sum(n for _, _, n in decisions)
+        priced = r["priced"]  # every run priced per round from these kinds (tools/price_controller_rounds.py)
+        assert set(priced) == {"best_fixed", "controller", "chain_controller", "controller_vs_best_fixed"}
+        assert priced["controller_vs_best_fixed"] == pytest.approx(priced["controller"] / priced["best_fixed"])
 
 
 def test_the_controller_rows_draft_chains_from_the_given_batch(tool, tmp_path):
