@@ -15,7 +15,8 @@ between them is the closed batch's tail. An estimate from measured rounds, not a
 (``priced``); this script also reprices rows written before it did:
 
     python tools/price_controller_rounds.py docs/bench/controller_s26/controller_eagle4_h100.json \\
-        docs/bench/controller_s26/controller_untrained_h100.json --out docs/bench/controller_priced_s26.json
+        docs/bench/controller_s26/controller_untrained_h100.json --out docs/bench/controller_priced_s26.json \\
+        --plot docs/img/controller_priced_s26.png
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def price_files(paths: list[str]) -> list[dict]:
                                  "with round kinds (the twentieth session's bench on).")
             priced = priced_fields(row)
             entries.append({"file": str(path), "drafter": row["drafter"], "concurrency": row["concurrency"],
-                            "requests": row.get("requests"), "best_fixed": row["best_fixed"], "priced": priced,
+                            "requests": row.get("requests"), "best_fixed": row["best_fixed"],
+                            "plans": row.get("plans"), "also_plans": row.get("also_plans"), "priced": priced,
                             "measured": {name: row[sp] for name, kinds, _, sp in RUNS if kinds in row}})
     if not entries:
         raise ValueError(f"{paths}: no rows to price; pass files tools/bench_controller.py wrote.")
@@ -85,10 +87,61 @@ def format_entry(e: dict) -> str:
             f"priced {e['priced']['controller_vs_best_fixed']:.3f}")
 
 
+LABELS = {"best_fixed": "best fixed", "controller": "controller", "chain_controller": "controller as a chain",
+          "also_plans": "controller, other plans"}
+COLORS = {"best_fixed": "tab:gray", "controller": "tab:green", "chain_controller": "tab:blue",
+          "also_plans": "tab:olive"}
+
+
+def plot(entries: list[dict], out: str, title: str = "") -> None:
+    """A panel a drafter (its first file's rows), per concurrency each run's measured speedup (light) beside its
+    priced one (dark)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drafters: dict[str, list[dict]] = {}
+    for e in entries:
+        rows = drafters.setdefault(e["drafter"], [])
+        if all(r["file"] == e["file"] for r in rows) and e["concurrency"] not in [r["concurrency"] for r in rows]:
+            rows.append(e)
+    fig, axes = plt.subplots(1, len(drafters), figsize=(6.5 * len(drafters), 4.8), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], drafters.items()):
+        rows.sort(key=lambda r: r["concurrency"])
+        runs = [run for run in LABELS if all(run in r["measured"] for r in rows)]
+        width = 0.8 / (2 * len(runs))
+        for i, run in enumerate(runs):
+            for j, (kind, alpha) in enumerate((("measured", 0.35), ("priced", 1.0))):
+                xs = [c + (2 * i + j - (2 * len(runs) - 1) / 2) * width for c in range(len(rows))]
+                values = [r[kind][run] for r in rows]
+                plans = rows[0]["also_plans" if run == "also_plans" else "plans"] if "controller" in run or \
+                    run == "also_plans" else None
+                label = f"controller, plans: {plans}" if run in ("controller", "also_plans") and plans else LABELS[run]
+                ax.bar(xs, values, width, color=COLORS[run], alpha=alpha, label=f"{label}, {kind}")
+                for x, v in zip(xs, values):
+                    ax.text(x, v + 0.01, f"{v:.2f}", ha="center", va="bottom", fontsize=5.5, rotation=90)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(range(len(rows)), [f"c={r['concurrency']}\nbest: {r['best_fixed']}" for r in rows])
+        ax.set_ylim(0, max(r[k][run] for r in rows for k in ("measured", "priced") for run in runs) * 1.3)
+        ax.set_ylabel("speedup over plain decoding")
+        ax.set_title(f"{name}: measured (closed batch) and priced a round (slots refilled)", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=4)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("files", nargs="+", help="JSON files tools/bench_controller.py wrote")
     p.add_argument("--out", default=None, help="write the entries here (JSON)")
+    p.add_argument("--plot", default=None, help="draw measured against priced speedups here (PNG)")
+    p.add_argument("--title", default="", help="the plot's title")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     args = p.parse_args(argv)
     with user_errors("price_controller_rounds", args.debug):
@@ -99,6 +152,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(args.out, json.dumps({"method": " ".join(__doc__.split("\n\n")[:3]).replace("\n", " "),
                                                      "rows": entries}, indent=1))
+        if args.plot:
+            plot(entries, args.plot, args.title)
         return entries
 
 

@@ -5,10 +5,13 @@ one-line errors for files that are not bench output."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tests.tool_loader import load_tool
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +58,19 @@ def test_files_are_repriced_and_written(tool, tmp_path, capsys):
     written = json.loads(out.read_text())
     assert written["rows"] == json.loads(json.dumps(entries)) and "refilled" in written["method"]
     assert "c=64" in capsys.readouterr().out
+
+
+def test_the_committed_rows_reprice_and_plot(tool, tmp_path):
+    """The twenty-sixth session's files: the averaged plans (its ``also_plans``) priced at c=1 within 2% of their
+    measured speedup (one row, no closed-batch tail), and the plot of measured against priced is drawn."""
+    bench = REPO / "docs" / "bench" / "controller_s26"
+    png = tmp_path / "priced.png"
+    entries = tool.main([str(bench / "controller_eagle4_h100.json"), str(bench / "controller_untrained_h100.json"),
+                         "--plot", str(png)])
+    first = next(e for e in entries if e["drafter"] == "eagle4" and e["concurrency"] == 1)
+    assert first["also_plans"] == "average"
+    assert first["priced"]["also_plans"] == pytest.approx(first["measured"]["also_plans"], rel=0.02)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("content, message", [
