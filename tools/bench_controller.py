@@ -25,7 +25,7 @@ planning its rounds the other way too (``also_plans_speedup``: "average", from r
 ``torchspec/runtime/plan_averages.py``, or "last", the last round's alone; ``plans``: the runtime's default), and
 ``priced``: every run's speedup priced per round, as refilled slots would see it (``price_controller_rounds.py``;
 at c > 1 a closed batch's tail is in the measured speedup, not in this); ``chain_from_batch`` per drafter is the
-concurrency from which the chain wins (the engine's ``chain_from_batch``: the table the issue asks to
+concurrency from which the chain wins (judged as ``chain_from_batch_basis`` says: priced a round in a closed batch) (the engine's ``chain_from_batch``: the table the issue asks to
 measure per setup).
 
     python tools/bench_controller.py --shape smollm2-135m --noise 0.0,0.3,untrained --concurrency 1,8,64 \\
@@ -292,8 +292,10 @@ def bench(args) -> dict:
             out["rows"] = rows
             if all(r["controller_drafts"] == "tree" for r in rows):
                 out["chain_from_batch"] = chain_from_batch(rows)
+                out["chain_from_batch_basis"] = CHAIN_RULE_BASIS
             else:  # a rule in effect at some level: the tree controller was not timed there
                 out.pop("chain_from_batch", None)
+                out.pop("chain_from_batch_basis", None)
                 out["chain_from_batch_note"] = "not measured: a chain rule was in effect (run without one to measure it)"
             write(args.out, out)
     return out
@@ -316,13 +318,28 @@ def plans_env(plans: str | None):
             os.environ[PLANS_ENV] = before
 
 
+CHAIN_RULE_BASIS = ("measured speedups where slots were refilled (requests >= 2 x concurrency) or at c = 1; "
+                    "in a closed batch, speedups priced a round (price_controller_rounds.py)")
+
+
+def chain_wins(row: dict) -> bool:
+    """Whether the chain controller is at least as fast as the tree controller at ``row``'s level, as serving
+    would see it (``CHAIN_RULE_BASIS``): a closed batch's measured speedups carry its tail, which a chain's
+    deeper plans pay the most of, so there the rounds' priced speedups decide."""
+    closed = row["concurrency"] > 1 and row.get("requests", row["concurrency"]) < 2 * row["concurrency"]
+    if closed and "priced" in row:
+        return row["priced"]["chain_controller"] >= row["priced"]["controller"]
+    return row["chain_controller_speedup"] >= row["speedup"]
+
+
 def chain_from_batch(rows: list[dict]) -> dict[str, int | None]:
     """Per drafter, the smallest concurrency from which the chain controller is at least as fast as the tree
-    controller at every larger measured level (the engine's ``chain_from_batch``); None: the tree throughout."""
+    controller at every larger measured level (``chain_wins``; the engine's ``chain_from_batch``); None: the
+    tree throughout."""
     out = {}
     for name in dict.fromkeys(r["drafter"] for r in rows):
         mine = sorted((r for r in rows if r["drafter"] == name), key=lambda r: r["concurrency"])
-        wins = [r["chain_controller_speedup"] >= r["speedup"] for r in mine]
+        wins = [chain_wins(r) for r in mine]
         first = next((i for i in range(len(mine)) if all(wins[i:])), None)
         out[name] = None if first is None else mine[first]["concurrency"]
     return out

@@ -52,6 +52,7 @@ def test_rows_hold_the_issue_keys_and_the_best_fixed_shape(result):
         assert r["controller_chain_from_batch"] is None and r["controller_drafts"] == "tree"  # the table has no rule
         assert r["requests"] == 2  # --num-prompts 2: a closed batch at c=1 and 2 (--requests-per-slot 1)
     assert set(data["chain_from_batch"]) == {"controlled_noise0.0", "untrained"}
+    assert "priced" in data["chain_from_batch_basis"]
     assert data["cuda_graphs"] is False and not out.with_suffix(".costs.json").exists()  # --costs: none measured
 
 
@@ -120,6 +121,20 @@ def test_chain_from_batch_is_where_the_chain_keeps_winning(tool):
     assert tool.chain_from_batch(rows) == {"d": 64}
     rows[2]["chain_controller_speedup"] = 1.0
     assert tool.chain_from_batch(rows) == {"d": None}
+
+
+def test_a_closed_batch_judges_the_chain_by_its_rounds_priced(tool):
+    """In a closed batch (requests < 2 x c) the rounds' priced speedups decide (the measured ones carry the
+    slowest rows' tail); where slots were refilled, or at c=1, the measured ones do."""
+    def row(c, requests, measured, priced):
+        return {"drafter": "d", "concurrency": c, "requests": requests, "speedup": measured[0],
+                "chain_controller_speedup": measured[1],
+                "priced": {"controller": priced[0], "chain_controller": priced[1]}}
+    closed = [row(1, 8, (1.3, 1.0), (1.3, 1.0)), row(64, 64, (1.05, 0.97), (1.21, 1.24))]
+    assert tool.chain_from_batch(closed) == {"d": 64}  # the s26 H100 rows' shape: the tail hid the chain's win
+    refilled = [closed[0], row(64, 256, (1.05, 0.97), (1.21, 1.24))]
+    assert tool.chain_from_batch(refilled) == {"d": None}  # measured with refilled slots: the measurement decides
+    assert not tool.chain_wins({**closed[1], "priced": {"controller": 1.3, "chain_controller": 1.2}})
 
 
 def test_rows_say_where_the_rounds_time_goes(result):
