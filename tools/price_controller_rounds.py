@@ -93,6 +93,12 @@ COLORS = {"best_fixed": "tab:gray", "controller": "tab:green", "chain_controller
           "also_plans": "tab:olive"}
 
 
+def _label(run: str, entry: dict) -> str:
+    """A run's legend label; the controller's runs name their plans where the row recorded them."""
+    plans = {"controller": entry.get("plans"), "also_plans": entry.get("also_plans")}.get(run)
+    return f"controller, plans: {plans}" if plans else LABELS[run]
+
+
 def plot(entries: list[dict], out: str, title: str = "") -> None:
     """A panel a drafter (its first file's rows), per concurrency each run's measured speedup (light) beside its
     priced one (dark)."""
@@ -115,10 +121,7 @@ def plot(entries: list[dict], out: str, title: str = "") -> None:
             for j, (kind, alpha) in enumerate((("measured", 0.35), ("priced", 1.0))):
                 xs = [c + (2 * i + j - (2 * len(runs) - 1) / 2) * width for c in range(len(rows))]
                 values = [r[kind][run] for r in rows]
-                plans = rows[0]["also_plans" if run == "also_plans" else "plans"] if "controller" in run or \
-                    run == "also_plans" else None
-                label = f"controller, plans: {plans}" if run in ("controller", "also_plans") and plans else LABELS[run]
-                ax.bar(xs, values, width, color=COLORS[run], alpha=alpha, label=f"{label}, {kind}")
+                ax.bar(xs, values, width, color=COLORS[run], alpha=alpha, label=f"{_label(run, rows[0])}, {kind}")
                 for x, v in zip(xs, values):
                     ax.text(x, v + 0.01, f"{v:.2f}", ha="center", va="bottom", fontsize=5.5, rotation=90)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
