@@ -25,8 +25,8 @@ planning its rounds the other way too (``also_plans_speedup``: "average", from r
 ``torchspec/runtime/plan_averages.py``, or "last", the last round's alone; ``plans``: the runtime's default), and
 ``priced``: every run's speedup priced per round, as refilled slots would see it (``price_controller_rounds.py``;
 at c > 1 a closed batch's tail is in the measured speedup, not in this); ``chain_from_batch`` per drafter is the
-concurrency from which the chain wins (judged as ``chain_from_batch_basis`` says: priced a round in a closed batch) (the engine's ``chain_from_batch``: the table the issue asks to
-measure per setup).
+concurrency from which the chain wins -- priced a round in a closed batch, measured where slots were refilled
+(``chain_from_batch_basis``) -- the engine's ``chain_from_batch``, the table the issue asks to measure per setup.
 
     python tools/bench_controller.py --shape smollm2-135m --noise 0.0,0.3,untrained --concurrency 1,8,64 \\
         --out docs/bench/controller_h200.json

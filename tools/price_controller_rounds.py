@@ -66,8 +66,9 @@ def price_files(paths: list[str]) -> list[dict]:
     for path in paths:
         data = read_json(path, "pass a file tools/bench_controller.py wrote.")
         for i, row in enumerate(data.get("rows", [])):
-            missing = [k for k in ("plain_round_kinds", "round_kinds", "best_fixed_round_kinds", "acceptance")
-                       if k not in row]
+            missing = [k for k in ("drafter", "concurrency", "best_fixed", "plain_round_kinds", "round_kinds",
+                                   "acceptance", "speedup", "best_fixed_round_kinds", "best_fixed_acceptance",
+                                   "best_fixed_speedup") if k not in row]
             if missing:
                 raise ValueError(f"{path}: row {i} lacks {missing}; reprice rows tools/bench_controller.py wrote "
                                  "with round kinds (the twentieth session's bench on).")
