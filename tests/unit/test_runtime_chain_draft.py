@@ -4,7 +4,8 @@
 the dynamic tree's log-softmax, sorts and gathers. It must return the very tree the k = 1 dynamic
 tree returns (tokens, parents, depths, flags) and leave the drafter's cache as that one does, for a
 dense and an efficient (low-rank + top-k) head, at several depths and batch rows with different
-committed lengths.
+committed lengths. The k = 1 tree itself keeps its pool's first m nodes (``TreePool.tree``), checked against
+the sorted assembly (``tree_select.assemble_tree``) that any other pool goes through.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torchspec.runtime.drafting import (
 )
 from torchspec.runtime.loading import load_engine
 from torchspec.runtime.sampling import SamplingParams
+from torchspec.runtime.tree_select import assemble_tree
 
 TREE_FIELDS = ("tokens", "parents", "depths", "valid", "sampled", "sibling_rank", "dist_index")
 
@@ -82,3 +84,30 @@ def test_draft_round_takes_the_scoreless_path_for_greedy_chains_only(engine, mon
     det = SpecConfig(shape="chain", depth=3, candidates="deterministic")  # T > 0, deterministic candidates
     draft_round(engine.runner, cache, inp, det, SamplingParams(temperature=0.7), torch.Generator().manual_seed(0))
     assert calls == ["chain"]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_a_chain_pool_keeps_its_first_m_nodes_as_the_sorted_assembly_does(ties):
+    """``TreePool.tree`` takes a k = 1 pool's first m nodes (``chain_tree``) instead of sorting it: the tree
+    ``assemble_tree`` builds from the same pool, for every m, with and without tied scores; its score ranks are
+    the chain's depth order, which ``steps._path_ranks`` assumes for a tree without ranks."""
+    g = torch.Generator().manual_seed(int(ties))
+    b, depth = 4, 5
+    edges = torch.zeros(b, depth) if ties else -torch.rand(b, depth, generator=g)
+    cum = edges.cumsum(1)  # cumulative log-probabilities: never increasing along the chain
+    tok = [torch.randint(0, 100, (b, 1), generator=g) for _ in range(depth)]
+    sc = [cum[:, d:d + 1] for d in range(depth)]
+    parent = [torch.full((b, 1), d, dtype=torch.long) for d in range(depth - 1)]  # pool index of depth d's node
+    pool = drafting.TreePool(tok=tok, sc=sc, parent=parent, front_sc=None)
+    root = torch.randint(0, 100, (b,), generator=g)
+    for m in range(depth + 1):
+        fast = pool.tree(root, m)
+        assert fast.tokens.shape == (b, m + 1) and fast.score_rank is None
+        if m == 0:
+            continue
+        tokens, parents, depths, rank, score_rank = assemble_tree(root, tok, sc, parent, m)
+        for name, ref in (("tokens", tokens), ("parents", parents), ("depths", depths), ("sibling_rank", rank)):
+            assert torch.equal(getattr(fast, name), ref), (m, name)
+        assert torch.equal(score_rank[:, 1:], torch.arange(m).expand(b, m))
+    shuffled = drafting.TreePool(tok=tok[::-1], sc=sc, parent=parent, front_sc=None)  # positive control
+    assert not torch.equal(shuffled.tree(root, depth).tokens, pool.tree(root, depth).tokens)

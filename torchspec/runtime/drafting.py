@@ -208,9 +208,11 @@ class TreePool:
 
     def tree(self, root: torch.Tensor, m: int) -> DraftTree:
         """The ``m`` best nodes by cumulative score as the round's tree (``tree_select.assemble_tree``); m = 0:
-        the root alone (a plain step's verification)."""
-        if m == 0:
-            return chain_tree(root[:, None])
+        the root alone (a plain step's verification). A chain's pool (k = 1) is in depth order and its
+        scores never increase along it, so its m best are its first m: ``chain_tree`` of them, without the
+        sorts and gathers (the same tree: ``tests/unit/test_runtime_chain_draft.py``)."""
+        if m == 0 or self.tok[0].shape[1] == 1:
+            return chain_tree(torch.cat([root[:, None], *self.tok], 1)[:, :m + 1])
         b, dev = root.shape[0], root.device
         tokens, parents, depths, rank, score_rank = assemble_tree(root, self.tok, self.sc, self.parent, m)
         return DraftTree(tokens=tokens, parents=parents, depths=depths, score_rank=score_rank,
