@@ -145,8 +145,8 @@ def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]
     ops, _ = count(lambda: plain_step_deferring_drafter(engine.decoder, engine.runner, engine.caches, bt, ctx, root,
                                                         valid, None))
     rows.append({"step": "controller plain round", "ops": ops, "in_plain_steps": ops / plain})
-    for depth, width in ((1, 8), (3, 8), (5, 32)):
-        spec = SpecConfig(shape="tree", depth=depth, topk=8, num_nodes=width)
+    for shape, depth, width in (("tree", 1, 8), ("tree", 3, 8), ("tree", 5, 32), ("chain", 1, 1), ("chain", 3, 3)):
+        spec = SpecConfig(shape=shape, depth=depth, topk=8, num_nodes=width)
         costs = RoundCosts(torch.full((5,), 0.1), 1 + 0.01 * torch.arange(33.0), Calibration(torch.device("cpu")),
                            plan=(depth, width))
         fixed, fixed_counts = count(lambda s=spec: speculate(engine.decoder, engine.runner, engine.caches, inp, s,
@@ -160,8 +160,9 @@ def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]
                                                                       inp, s, greedy, None, costs=c))
         finally:
             controlled_drafting.decide_every_depth_calibrated = tensor_decide
-        rows.append({"step": f"fixed tree d{depth} k8 n{width}", "ops": fixed, "in_plain_steps": fixed / plain})
-        rows.append({"step": f"controller ({depth}, {width})", "ops": ctl, "in_plain_steps": ctl / plain,
+        fixed_name = f"fixed tree d{depth} k8 n{width}" if shape == "tree" else f"fixed chain d{depth}"
+        rows.append({"step": fixed_name, "ops": fixed, "in_plain_steps": fixed / plain})
+        rows.append({"step": f"controller {shape} ({depth}, {width})", "ops": ctl, "in_plain_steps": ctl / plain,
                      "decision_ops": ctl - fixed, "gpu_ops": gpu, "gpu_extra_ops": gpu - fixed,
                      "gpu_extra_by_op": dict((gpu_counts - fixed_counts).most_common()),
                      "top_ops": counts.most_common(6)})

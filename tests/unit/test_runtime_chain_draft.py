@@ -4,8 +4,10 @@
 the dynamic tree's log-softmax, sorts and gathers. It must return the very tree the k = 1 dynamic
 tree returns (tokens, parents, depths, flags) and leave the drafter's cache as that one does, for a
 dense and an efficient (low-rank + top-k) head, at several depths and batch rows with different
-committed lengths. The k = 1 tree itself keeps its pool's first m nodes (``TreePool.tree``), checked against
-the sorted assembly (``tree_select.assemble_tree``) that any other pool goes through.
+committed lengths. The k = 1 tree keeps its pool's first m nodes (``TreePool.tree``), checked against the
+sorted assembly (``tree_select.assemble_tree``) that any other pool goes through; and the draft controller's
+greedy chain grows its pools with scores through ``grow_scored_chain``, checked against the k = 1 tree's
+growth (``grow_topk_tree``) depth by depth.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from torchspec.runtime import drafting
 from torchspec.runtime.drafting import (
     DraftInputs,
     SpecConfig,
-    draft_dynamic_tree,
     draft_greedy_chain,
     draft_round,
+    grow_scored_chain,
+    grow_topk_tree,
 )
 from torchspec.runtime.loading import load_engine
 from torchspec.runtime.sampling import SamplingParams
@@ -58,7 +61,8 @@ def test_scoreless_chain_equals_the_k1_dynamic_tree(engine, depth):
     inp = _inputs(engine, depth)
     cache = engine.caches.drafter
     before = [t.clone() for t in (cache.k, cache.v)]
-    ref = draft_dynamic_tree(engine.runner, cache, inp, spec, SamplingParams())
+    *_, pool = grow_topk_tree(engine.runner, cache, inp, spec, SamplingParams())  # the k = 1 tree, sorted
+    ref = pool.tree(inp.root, depth)
     ref_kv = [t.clone() for t in (cache.k, cache.v)]
     cache.k.copy_(before[0]), cache.v.copy_(before[1])
     fast = draft_greedy_chain(engine.runner, cache, inp, spec)
@@ -111,3 +115,34 @@ def test_a_chain_pool_keeps_its_first_m_nodes_as_the_sorted_assembly_does(ties):
         assert torch.equal(score_rank[:, 1:], torch.arange(m).expand(b, m))
     shuffled = drafting.TreePool(tok=tok[::-1], sc=sc, parent=parent, front_sc=None)  # positive control
     assert not torch.equal(shuffled.tree(root, depth).tokens, pool.tree(root, depth).tokens)
+
+
+@pytest.mark.parametrize("frontier_at_last", [False, True])
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_scored_chain_grows_the_k1_trees_pools(engine, depth, frontier_at_last):
+    """Depth by depth, the scored chain's pool (tokens, path scores, parents, frontier and its last edge) and the
+    drafter cache it leaves equal the k = 1 tree's, which sorts and gathers a one-node frontier."""
+    spec = SpecConfig(shape="chain", depth=depth)
+    inp = _inputs(engine, 10 + depth)
+    cache = engine.caches.drafter
+    before = [t.clone() for t in (cache.k, cache.v)]
+
+    def snapshots(grow, *args):
+        out = []
+        for pool in grow(engine.runner, cache, inp, spec, *args, frontier_at_last=frontier_at_last):
+            front = None if pool.front_sc is None else (pool.front_sc.clone(), pool.front_edge().clone())
+            out.append(([t.clone() for t in pool.tok], [t.clone() for t in pool.sc],
+                        [t.clone() for t in pool.parent], front))
+        return out, [t.clone() for t in (cache.k, cache.v)]
+
+    ref, ref_kv = snapshots(grow_topk_tree, SamplingParams())
+    cache.k.copy_(before[0]), cache.v.copy_(before[1])
+    fast, fast_kv = snapshots(grow_scored_chain)
+    assert len(fast) == len(ref) == depth
+    for (ft, fs, fp, ff), (rt, rs, rp, rf) in zip(fast, ref):
+        assert all(torch.equal(a, b) for a, b in zip(ft + fs + fp, rt + rs + rp)) and len(ft + fp) == len(rt + rp)
+        assert (ff is None) == (rf is None)
+        assert ff is None or (torch.equal(ff[0], rf[0]) and torch.equal(ff[1], rf[1]))
+    assert (fast[-1][3] is not None) == frontier_at_last
+    assert torch.equal(fast_kv[0], ref_kv[0]) and torch.equal(fast_kv[1], ref_kv[1])
+    assert fast[-1][1][-1].lt(0).all()  # positive control: real log-probabilities, not zeros

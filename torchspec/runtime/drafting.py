@@ -232,7 +232,18 @@ def grow_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInpu
     """The greedy / deterministic-candidate tree (a chain when spec.shape == 'chain'), yielded after each of its
     ``spec.depth`` depths; a caller that stops iterating drafts no further depth (the draft controller).
     ``frontier_at_last``: the last depth's pool keeps a frontier too (``front_sc`` / ``front_edge``: what one
-    more depth would expand), for a controller that weighs a depth this round does not draft."""
+    more depth would expand), for a controller that weighs a depth this round does not draft. A greedy chain
+    grows through ``grow_scored_chain`` (the same pools without the frontier's sorts and gathers), anything else
+    through ``grow_topk_tree``."""
+    if spec.shape == "chain" and params.greedy:
+        return grow_scored_chain(runner, cache, inp, spec, frontier_at_last)
+    return grow_topk_tree(runner, cache, inp, spec, params, frontier_at_last)
+
+
+def grow_topk_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
+                   params: SamplingParams | RowSampling, frontier_at_last: bool = False) -> Iterator[TreePool]:
+    """``grow_dynamic_tree`` for any k (k = 1 for a chain): each depth expands the k-node frontier's top-k
+    children and keeps the k best as the next frontier (module docstring)."""
     k = 1 if spec.shape == "chain" else spec.topk
     depth = spec.depth
     b = inp.root.shape[0]
@@ -257,6 +268,36 @@ def grow_dynamic_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInpu
             parent_rows, front_idx, front_tok, pool.front_sc, front_hidden = out[3:]
             pool._children = (csc.reshape(b, k * k), front_idx, base)  # views: no kernel unless front_edge is asked
         base += k * k
+        yield pool
+
+
+def grow_scored_chain(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
+                      frontier_at_last: bool = False) -> Iterator[TreePool]:
+    """``grow_dynamic_tree``'s pools for a greedy chain (k = 1), as the scoreless chain drafts them: each depth
+    takes its one best candidate with its log-probability and adds it to the path's score. A one-node frontier
+    needs no sort, gather or ancestor mask: every depth's mask and positions are built once, as in
+    ``draft_greedy_chain`` (the draft controller's chain rounds; the same pools and drafter cache as the k = 1
+    tree, ``tests/unit/test_runtime_chain_draft.py``)."""
+    depth = spec.depth
+    b = inp.root.shape[0]
+    total = max(1, depth - 1)
+    writer = _DraftWriter(runner, cache, inp, total, depth)
+    sc, tok = runner.top_candidates(inp.normed, 1)  # [B, 1] depth 1
+    pool = TreePool(tok=[tok], sc=[sc], parent=[], front_sc=sc if depth > 1 or frontier_at_last else None, _edges=sc)
+    yield pool
+    if depth == 1:
+        return
+    hidden = inp.feedback[:, None]
+    sees = torch.ones(total, total, dtype=torch.bool, device=tok.device).tril()  # slot i (depth i + 1): 0..i
+    parents = torch.arange(total, device=tok.device).expand(b, total)  # depth d + 1's pool parent: node d - 1
+    for d in range(1, depth):
+        own = sees[None, d - 1: d].expand(b, 1, total)
+        normed, hidden = writer.forward(tok, hidden, own, writer.positions[:, d: d + 1])
+        edge, tok = (t.reshape(b, 1) for t in runner.top_candidates(normed, 1))  # [B, 1] depth d + 1
+        cum = pool.sc[-1] + edge
+        pool.sc.append(cum), pool.tok.append(tok), pool.parent.append(parents[:, d - 1: d])
+        last = d == depth - 1
+        pool.front_sc, pool._edges = (None, None) if last and not frontier_at_last else (cum, edge)
         yield pool
 
 
@@ -346,4 +387,5 @@ def draft_round(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, sp
     return draft_dynamic_tree(runner, cache, inp, spec, params)
 
 
-__all__ = ["SpecConfig", "DraftInputs", "TreePool", "draft_round", "draft_dynamic_tree", "grow_dynamic_tree", "draft_greedy_chain", "draft_sampled_tree"]
+__all__ = ["SpecConfig", "DraftInputs", "TreePool", "draft_round", "draft_dynamic_tree", "grow_dynamic_tree",
+           "grow_scored_chain", "grow_topk_tree", "draft_greedy_chain", "draft_sampled_tree"]
