@@ -32,7 +32,7 @@ n = ctx - 1 (``torchspec/runtime/drafter_runner.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -273,31 +273,23 @@ def grow_topk_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs,
 
 def grow_scored_chain(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
                       frontier_at_last: bool = False) -> Iterator[TreePool]:
-    """``grow_dynamic_tree``'s pools for a greedy chain (k = 1), as the scoreless chain drafts them: each depth
-    takes its one best candidate with its log-probability and adds it to the path's score. A one-node frontier
-    needs no sort, gather or ancestor mask: every depth's mask and positions are built once, as in
-    ``draft_greedy_chain`` (the draft controller's chain rounds; the same pools and drafter cache as the k = 1
-    tree, ``tests/unit/test_runtime_chain_draft.py``)."""
-    depth = spec.depth
-    b = inp.root.shape[0]
-    total = max(1, depth - 1)
-    writer = _DraftWriter(runner, cache, inp, total, depth)
-    sc, tok = runner.top_candidates(inp.normed, 1)  # [B, 1] depth 1
-    pool = TreePool(tok=[tok], sc=[sc], parent=[], front_sc=sc if depth > 1 or frontier_at_last else None, _edges=sc)
-    yield pool
-    if depth == 1:
-        return
-    hidden = inp.feedback[:, None]
-    sees = torch.ones(total, total, dtype=torch.bool, device=tok.device).tril()  # slot i (depth i + 1): 0..i
-    parents = torch.arange(total, device=tok.device).expand(b, total)  # depth d + 1's pool parent: node d - 1
-    for d in range(1, depth):
-        own = sees[None, d - 1: d].expand(b, 1, total)
-        normed, hidden = writer.forward(tok, hidden, own, writer.positions[:, d: d + 1])
-        edge, tok = (t.reshape(b, 1) for t in runner.top_candidates(normed, 1))  # [B, 1] depth d + 1
-        cum = pool.sc[-1] + edge
-        pool.sc.append(cum), pool.tok.append(tok), pool.parent.append(parents[:, d - 1: d])
-        last = d == depth - 1
-        pool.front_sc, pool._edges = (None, None) if last and not frontier_at_last else (cum, edge)
+    """``grow_dynamic_tree``'s pools for a greedy chain (k = 1), walked as the scoreless chain walks
+    (``_walk_chain``): each depth takes its one best candidate with its log-probability and adds it to the
+    path's score. A one-node frontier needs no sort, gather or ancestor mask (the draft controller's chain
+    rounds; the same pools and drafter cache as the k = 1 tree, ``tests/unit/test_runtime_chain_draft.py``)."""
+    depth, b = spec.depth, inp.root.shape[0]
+    pool, parents = None, None
+    scored = _walk_chain(runner, cache, inp, depth, lambda n: [t.reshape(b, 1) for t in runner.top_candidates(n, 1)])
+    for d, (edge, tok) in enumerate(scored):  # [B, 1] each: depth d + 1's log-probability and token
+        keep = d < depth - 1 or frontier_at_last  # a frontier one more depth would expand
+        if pool is None:
+            pool = TreePool(tok=[tok], sc=[edge], parent=[], front_sc=edge if keep else None, _edges=edge)
+        else:
+            if parents is None:  # depth d + 1's pool parent is node d - 1
+                parents = torch.arange(depth - 1, device=tok.device).expand(b, depth - 1)
+            cum = pool.sc[-1] + edge
+            pool.sc.append(cum), pool.tok.append(tok), pool.parent.append(parents[:, d - 1: d])
+            pool.front_sc, pool._edges = (cum, edge) if keep else (None, None)
         yield pool
 
 
@@ -313,21 +305,33 @@ def draft_greedy_chain(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInp
     """The greedy chain: ``draft_dynamic_tree`` with k = 1 without its scores. That tree keeps all
     ``depth`` nodes it proposes, in pool order, so no cumulative score, sort or gather decides
     anything: each depth takes the draft argmax (``DrafterRunner.best_candidate``) and feeds its own
-    feedback on, with every depth's attention mask and positions built once before the first. Same
-    tree and drafter cache (``tests/unit/test_runtime_chain_draft.py``), ~15 fewer kernels a depth."""
-    depth = spec.depth
+    feedback on (``_walk_chain``). Same tree and drafter cache (``tests/unit/test_runtime_chain_draft.py``),
+    ~15 fewer kernels a depth."""
+    b = inp.root.shape[0]
+    walk = _walk_chain(runner, cache, inp, spec.depth, lambda n: [runner.best_candidate(n).reshape(b, 1)])
+    return chain_tree(torch.cat([inp.root[:, None], *(tok for (tok,) in walk)], 1))
+
+
+def _walk_chain(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, depth: int,
+                pick: Callable[[torch.Tensor], list[torch.Tensor]]) -> Iterator[list[torch.Tensor]]:
+    """A chain's ``depth`` depths: ``pick`` (the drafter's output at a node -> [..., token [B, 1]]) chooses each
+    depth's node from its parent's output, and each node feeds its own feedback on. Yields ``pick``'s result a
+    depth; the next depth's drafter forward runs only when asked. Every depth's attention mask (slot i, depth
+    i + 1, sees slots 0..i) and positions are built once, before the second depth."""
     b = inp.root.shape[0]
     total = max(1, depth - 1)
     writer = _DraftWriter(runner, cache, inp, total, depth)
-    tok = runner.best_candidate(inp.normed)[:, None]  # [B, 1] depth 1
-    tokens, hidden = [inp.root[:, None], tok], inp.feedback[:, None]
-    sees = torch.ones(total, total, dtype=torch.bool, device=tok.device).tril()  # slot i (depth i + 1): 0..i
+    picked = pick(inp.normed)  # depth 1, from the last committed position
+    yield picked
+    if depth == 1:
+        return
+    hidden = inp.feedback[:, None]
+    sees = torch.ones(total, total, dtype=torch.bool, device=inp.root.device).tril()
     for d in range(1, depth):
         own = sees[None, d - 1: d].expand(b, 1, total)
-        normed, hidden = writer.forward(tok, hidden, own, writer.positions[:, d: d + 1])
-        tok = runner.best_candidate(normed)  # [B, 1] depth d + 1
-        tokens.append(tok)
-    return chain_tree(torch.cat(tokens, 1))
+        normed, hidden = writer.forward(picked[-1], hidden, own, writer.positions[:, d: d + 1])
+        picked = pick(normed)
+        yield picked
 
 
 def draft_sampled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
