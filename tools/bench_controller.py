@@ -21,8 +21,9 @@ JSON, atomic, rewritten after each row) hold ``drafter, target, mode, concurrenc
 acceptance``, the best fixed shape and its speedup beside the controller's, the controller's (depth, width)
 decisions, the graphs its timed runs still had to capture (planned shapes the warm-up runs never saw: each
 capture is in the timing), the same controller drafting a chain (k = 1), and with ``--also-plans`` the controller
-planning its rounds the other way too (``also_plans_speedup``: "average", from recent rounds' ratings,
-``torchspec/runtime/plan_averages.py``, or "last", the last round's alone; ``plans``: the runtime's default), and
+planning its rounds another way too (``also_plans_speedup``: "average", from recent rounds' ratings,
+``torchspec/runtime/plan_averages.py``; "held", averaged and a repeated plan held undecided for a few rounds; or
+"last", the last round's alone; ``plans``: the runtime's default), and
 ``priced``: every run's speedup priced per round, as refilled slots would see it (``price_controller_rounds.py``;
 at c > 1 a closed batch's tail is in the measured speedup, not in this); ``chain_from_batch`` per drafter is the
 concurrency from which the chain wins -- priced a round in a closed batch, measured where slots were refilled
@@ -55,7 +56,7 @@ from recipes.bench import csv_values, measure, paired_fields, paired_timings  # 
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig  # noqa: E402
-from torchspec.runtime.plan_averages import PLANS_ENV, plans_how  # noqa: E402
+from torchspec.runtime.plan_averages import PLANS, PLANS_ENV, plans_how  # noqa: E402
 from torchspec.runtime.sampling import SamplingParams  # noqa: E402
 
 UNTRAINED_NOISE = 50.0  # eh_proj noise that leaves the controlled drafter agreeing with nothing
@@ -90,10 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "chain_from_batch; the tree throughout if it has none); the 'as a chain' rows always do")
     p.add_argument("--controller-mode", default="ahead", choices=["ahead", "within"],
                    help="ahead: planned a round before, with CUDA graphs; within: per depth on the host, no graphs")
-    p.add_argument("--also-plans", choices=["average", "last"], default=None,
+    p.add_argument("--also-plans", choices=PLANS, default=None,
                    help="ahead mode: also time the controller with these plans (TORCHSPEC_CONTROLLER_PLANS: "
-                        "'average', from recent rounds' ratings, plan_averages.py; 'last', the last round's alone) "
-                        "beside the runtime's default")
+                        "'average', from recent rounds' ratings, plan_averages.py; 'held', averaged and a repeated "
+                        "plan held undecided for a few rounds; 'last', the last round's alone) beside the runtime's "
+                        "default")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -303,7 +305,7 @@ def bench(args) -> dict:
 
 @contextlib.contextmanager
 def plans_env(plans: str | None):
-    """Ahead mode's plans ("average" or "last": ``plan_averages.PLANS_ENV``; None: as set) for the runs inside."""
+    """Ahead mode's plans (``plan_averages.PLANS``, through ``PLANS_ENV``; None: as set) for the runs inside."""
     before = os.environ.get(PLANS_ENV)
     if plans is None:
         yield

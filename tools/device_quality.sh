@@ -335,7 +335,7 @@ controller)
   # from an earlier call, same key). CSTEP=pair: the controlled pair at CSHAPE (default
   # qwen3-8b), drafters CNOISE (default 0.0,untrained; CNUM prompts a timed run, 8; a shorter sweep, CCHAINS 1,3,5 and CTREES: an 8B step is
   # ~7x SmolLM2's; CCOSTS: a table measured in an earlier call, e.g. docs/bench/controller_pair_smollm2_h200_s17.costs.json
-  # for CSHAPE=smollm2-135m). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request; CALSO=average|last:
+  # for CSHAPE=smollm2-135m). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request; CALSO=average|held|last:
   # also the controller planning that way (--also-plans); CTAG: a suffix of the result files (calls that
   # split the levels); CREQ: requests a slot (--requests-per-slot, 1: a closed batch; 4: slots refilled, as served).
   if [ "${CSTEP:-smollm2}" = smollm2 ]; then
@@ -366,7 +366,7 @@ controller)
     timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --shape "${CSHAPE:-qwen3-8b}" ${CCOSTS:+--costs "$CCOSTS"} \
       --noise "${CNOISE:-0.0,untrained}" --max-new-tokens "${CNEW:-64}" --concurrency "${CCONC:-1,8,64}" \
       --num-prompts "${CNUM:-8}" --chains "${CCHAINS:-1,3,5}" --trees "${CTREES:-3x4x8,4x4x16,5x8x32}" \
-      --requests-per-slot "${CREQ:-1}" --out "$RES/controller_${CSHAPE:-qwen3-8b}${CTAG:-}_h200.json" \
+      --requests-per-slot "${CREQ:-1}" ${CALSO:+--also-plans $CALSO} --out "$RES/controller_${CSHAPE:-qwen3-8b}${CTAG:-}_h200.json" \
       > "$RES/controller_pair${CTAG:-}.log" 2>&1
     tail -n 10 "$RES/controller_pair${CTAG:-}.log"
   fi

@@ -151,24 +151,29 @@ def test_rows_say_where_the_rounds_time_goes(result):
         assert priced["controller_vs_best_fixed"] == pytest.approx(priced["controller"] / priced["best_fixed"])
 
 
-def test_the_controller_rows_draft_chains_from_the_given_batch(tool, tmp_path):
+@pytest.mark.parametrize("also", ["last", "held"])
+def test_the_controller_rows_draft_chains_from_the_given_batch(tool, tmp_path, also):
     """``--chain-from-batch 2``: the controller as it would serve with that rule -- the tree at c=1, a chain at c=2
-    (verifying at most the chain's depth); ``--also-plans last``: beside it (the default plans averaged), the
-    controller planning from the last round's ratings alone, timed and counted in the same rows."""
+    (verifying at most the chain's depth); ``--also-plans last`` / ``held``: beside it (the default plans
+    averaged), the controller planning from the last round's ratings alone, or holding repeated plans, timed and
+    counted in the same rows (held rounds among the round kinds, priced with the rest)."""
     args = tool.build_parser().parse_args([*ARGS, "--noise", "0.0", "--out", str(tmp_path / "unused.json")])
     _, engine = next(tool.engines(args, tool.check_args(args), 2, 64))
     costs = tmp_path / "costs.json"
     linear_table(engine, 0.02, 0.1, widths=[1, 2], nodes=list(range(5))).save(costs)
     out = tmp_path / "ruled.json"
-    tool.main([*ARGS, "--noise", "0.0", "--costs", str(costs), "--chain-from-batch", "2", "--also-plans", "last",
+    tool.main([*ARGS, "--noise", "0.0", "--costs", str(costs), "--chain-from-batch", "2", "--also-plans", also,
                "--requests-per-slot", "2",
                "--out", str(out)])
     rows = {r["concurrency"]: r for r in json.loads(out.read_text())["rows"]}
     for r in rows.values():
-        assert r["plans"] == "average" and r["also_plans"] == "last"
+        assert r["plans"] == "average" and r["also_plans"] == also
         assert r["also_plans_speedup"] > 0 and r["also_plans_acceptance"] >= 1
         assert sum(n for _, _, n in r["also_plans_decisions"]) == sum(v["rounds"] for v in
                                                                      r["also_plans_round_kinds"].values())
+    held = [k for r in rows.values() for k in r["also_plans_round_kinds"] if k.startswith("held")]
+    assert bool(held) == (also == "held") and not any(k.startswith("held") for r in rows.values()
+                                                       for k in r["round_kinds"])
     assert "TORCHSPEC_CONTROLLER_PLANS" not in os.environ  # set for the runs inside only
     assert [rows[c]["controller_drafts"] for c in (1, 2)] == ["tree", "chain"]
     assert [rows[c]["requests"] for c in (1, 2)] == [2, 4]  # --requests-per-slot 2: each slot refilled once

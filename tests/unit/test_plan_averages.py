@@ -142,8 +142,9 @@ def test_one_unconfident_round_among_confident_ones_keeps_the_plan_deep():
 def test_plans_how_reads_the_environment(monkeypatch):
     monkeypatch.delenv(PLANS_ENV, raising=False)
     assert plans_how() == "average"
-    monkeypatch.setenv(PLANS_ENV, "last")
-    assert plans_how() == "last"
+    for how in ("last", "held"):
+        monkeypatch.setenv(PLANS_ENV, how)
+        assert plans_how() == how
     monkeypatch.setenv(PLANS_ENV, "smooth")
     with pytest.raises(ValueError, match="TORCHSPEC_CONTROLLER_PLANS='smooth'"):
         plans_how()

@@ -37,6 +37,13 @@ probe that plans width 0 again, up to ``PROBE_MOST - 1``; a round that verifies 
 them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the round, after every depth, on the
 host (one sync a depth), without CUDA graphs. Device-chained per-depth graphs are not built.
 
+**Held plans** (``TORCHSPEC_CONTROLLER_PLANS=held``: averaged plans, and holds): when a deciding round plans
+the very (depth, width) it ran, the next ``HOLD_ROUNDS - 1`` rounds run that plan as the fixed shape (a chain's
+scoreless walk of ``width`` nodes, or the tree of ``depth`` keeping its ``width`` best), with no scores,
+decision or calibration evidence, and the round after them decides again; a plan that changes, or width 0,
+holds nothing. A controlled chain round cost 2.7% more than the fixed chain of its shape at batch 64 (H100,
+twenty-eighth session): where the averaged plan settles, most rounds need not pay that.
+
 **Calibration** (``calibration.py``) scales the drafter's confidence by how far it has been borne out,
 so an untrained drafter is verified for a round or two, then almost never.
 
@@ -77,6 +84,8 @@ PLAIN_ROUND = (0, 0)  # ahead mode's plan for a round that drafts nothing (steps
 PROBE_EVERY = 8  # while the plan is width 0, the first round and the PROBE_EVERY-th after draft depth 0 and decide
 PROBE_WIDTH = 1  # a probe verifies this many nodes (an underconfident drafter is found out only by verifying it)
 PROBE_MOST = 64  # ... the streak between probes doubling after each probe that plans width 0 again, up to this
+HOLD_ROUNDS = 8  # plans "held": a verifying plan that a deciding round plans again is drafted undecided until the
+# HOLD_ROUNDS-th round after it, which decides (a held round is the fixed shape's: no scores, decision or evidence)
 CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP tokens of context) and kept
 DECIDE_ENV = "TORCHSPEC_CONTROLLER_DECIDE"  # "fused" (default: one Triton kernel on CUDA) or "tensor"
 _UNBUILT: list[str] = []  # why the decision kernel could not be built here, once it could not (then: tensor ops)
@@ -102,7 +111,10 @@ class Controller:
         decide_how()  # a bad TORCHSPEC_CONTROLLER_DECIDE is refused at configure, not inside a round
         self.table, self.spec, self.calibration, self.chain_from_batch = table, spec, calibration, chain_from_batch
         self.mode = mode
-        self.plans = plans_how() if mode == "ahead" else None  # "average" (plan_averages.py) or "last"
+        self.plans = plans_how() if mode == "ahead" else None  # "average" (plan_averages.py), "held" or "last"
+        self.averaged = self.plans in ("average", "held")
+        self.hold_left = 0  # plans "held": rounds left that run the last plan undecided
+        self.held: tuple[int, int] | None = None  # the (depth, width) this round holds; None: it decides or is plain
         self.chain = dataclasses.replace(spec, shape="chain")
         self.trace: list[tuple[int, int]] = []
         self.sampled_depths: list[int] = []
@@ -140,7 +152,7 @@ class Controller:
             kept = self._costs[key] = (
                 RoundCosts.lookup_sampled(self.table, spec, batch, at, self.calibration) if sampled else
                 RoundCosts.lookup(self.table, spec, batch, at, self.calibration, measured_only=self.mode == "ahead"))
-            if not sampled and self.plans == "average":  # one table a drafted shape, shared by every batch and ctx
+            if not sampled and self.averaged:  # one table a drafted shape, shared by every batch and ctx
                 kept.averages = self.calibration.averages_for(spec.shape, kept.depth_ms.shape[0],
                                                               kept.verify_ms.shape[0])
         return dataclasses.replace(kept, trace=self.trace)
@@ -150,6 +162,7 @@ class Controller:
         ``chain_from_batch`` rows on; ahead mode: the shape the previous greedy round planned, its depth and
         width as ``spec``'s depth and node count and in ``costs.plan``); a sampled tree drafts the depth the
         previous sampled round chose; deterministic candidates at T > 0 keep ``spec`` (no costs)."""
+        self.held = None
         if params.greedy:
             base = self._base(batch)
             if self.mode == "within":
@@ -157,11 +170,16 @@ class Controller:
             depth, width = self._allowed(self.next_plan, base, params)
             if width > 0:  # a verifying round: a later width-0 plan starts over with a probe and short streaks
                 self.plain_left, self.streak = 0, PROBE_EVERY
+                if self.hold_left > 0 and not self.deferred:  # a held plan: the fixed shape, undecided
+                    self.hold_left -= 1
+                    self.held = (depth, width)
+                    self.trace.append(self.held)
+                    return self._held_shape(base, depth, width), None
             elif not self._probes():  # a plain round: no lookup, no shape (engine_forwards runs a plain step)
                 self.deferred = True
                 self.trace.append(PLAIN_ROUND)
                 return base, self._plain
-            elif self.plans == "average":  # a probe drafts the table's best verifying shape (module docstring)
+            elif self.averaged:  # a probe drafts the table's best verifying shape (module docstring)
                 depth, width = self._allowed(self.probe_plan, base, params)
                 width = max(width, PROBE_WIDTH)
             else:  # a probe verifies the drafter's best candidate: evidence for the calibration either way
@@ -196,10 +214,16 @@ class Controller:
                                                                                  num_nodes=max(width, 1))
         return shape
 
-    def round_shapes(self, params, batch: int, ctx: int) -> list[tuple[SpecConfig, RoundCosts]]:
+    def _held_shape(self, base: SpecConfig, depth: int, width: int) -> SpecConfig:
+        """A held plan's fixed shape: the tree of ``depth`` keeping its ``width`` best nodes, or the chain of
+        ``width`` nodes (a chain's best ``width`` are its first: deeper nodes would be drafted only to decide)."""
+        return self._shape(base, width if base.shape == "chain" else depth, width)
+
+    def round_shapes(self, params, batch: int, ctx: int) -> list[tuple[SpecConfig, RoundCosts | None]]:
         """Every drafting round ``plan`` may return at padded ``batch`` for ``params``' kind of round (greedy:
         each planned depth and allowed width, probes included; sampled: each depth), each with and without the
-        catch-up of deferred plain rounds (``flush``): what the engine captures as CUDA graphs before the first
+        catch-up of deferred plain rounds (``flush``), and with plans "held" each one's held round (its fixed
+        shape, no costs): what the engine captures as CUDA graphs before the first
         such round runs (``engine_forwards.capture_round_shapes``), so no round of a run or of serving pays a
         capture. Empty in "within" mode (no graphs) and for deterministic candidates at T > 0 (one shape). The
         host's state (plans, streaks, trace) is left as it was."""
@@ -215,6 +239,8 @@ class Controller:
                     for flush in (False, True):
                         planned = dataclasses.replace(costs, plan=(depth, width), flush=flush, trace=[])
                         out.append((self._shape(base, depth, width), planned))
+                    if self.plans == "held":  # its held round: the fixed shape, no costs (one graph a shape)
+                        out.append((self._held_shape(base, depth, width), None))
         elif self.spec.sampled(params):
             costs = self._lookup(self.spec, batch, ctx, sampled=True)
             for depth in range(1, self.spec.depth + 1):
@@ -246,6 +272,8 @@ class Controller:
             return
         if costs.plan is not None:
             self.next_plan = (int(plan[0]), int(plan[1]))
+            repeated = self.next_plan == tuple(costs.plan) and self.next_plan[1] > 0
+            self.hold_left = HOLD_ROUNDS - 1 if self.plans == "held" and repeated else 0
             if len(plan) >= 4:
                 self.probe_plan = (int(plan[2]), int(plan[3]))
         elif costs.max_sampled_depth:
@@ -346,5 +374,5 @@ def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: Draft
     return pool.tree(inp.root, m)
 
 
-__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Controller",
+__all__ = ["HOLD_ROUNDS", "MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Controller",
            "decide_every_depth_calibrated", "decide_how", "draft_ahead_tree", "draft_controlled_tree"]

@@ -117,7 +117,9 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
         spec, costs = None, None
     name, step = round_step(engine, spec, costs, deferring)
     args = round_args(engine, name, index, ctx, valid, bt, params, costs)
-    label = name if costs is None else f"d{costs.plan[0]}w{costs.plan[1]}" if costs.plan is not None else "spec"
+    held = engine.controller.held if engine.controller is not None and spec is not None else None
+    label = (f"held d{held[0]}w{held[1]}" if held else name) if costs is None else (
+        f"d{costs.plan[0]}w{costs.plan[1]}" if costs.plan is not None else "spec")
     key = round_key(name, len(active), spec, kind, cols, costs)
     stateful = deferring or costs is not None  # deferred drafter entries, the calibration's evidence
     out = step(**args) if engine.graphs is None else run_graph(engine, key, step, args, stateful)

@@ -58,15 +58,18 @@ from torchspec.runtime.controller_policy import NS_PER_MS, cost_ns
 from torchspec.runtime.controller_reference import reference_expected_tokens
 
 SHIFT = 1  # the newest round's weight in the average: 2^-SHIFT
-PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "average" (default) or "last" (the last round's ratings alone)
+PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "average" (default), "held" or "last" (the last round's ratings alone)
+PLANS = ("average", "held", "last")  # "held": averaged, and a plan a deciding round repeats is held (controlled_drafting)
 
 
 def plans_how() -> str:
     """How ahead mode plans (``TORCHSPEC_CONTROLLER_PLANS``): "average" (the default: served faster, module
-    docstring) or "last"."""
+    docstring), "held" (averaged; a repeated plan then runs undecided for a few rounds,
+    ``controlled_drafting.HOLD_ROUNDS``) or "last"."""
     how = os.environ.get(PLANS_ENV, "average")
-    if how not in ("average", "last"):
-        raise ValueError(f"{PLANS_ENV}={how!r} is not a way to plan: set it to 'average' (the default) or 'last'.")
+    if how not in PLANS:
+        raise ValueError(f"{PLANS_ENV}={how!r} is not a way to plan: set it to one of {PLANS} ('average' is the "
+                         f"default).")
     return how
 
 
@@ -142,5 +145,5 @@ def reference_plan_from(averages: list[list[int]], depth_ms: list[float], verify
     return (*best, *probe)
 
 
-__all__ = ["PLANS_ENV", "SHIFT", "fold", "plan_from", "plans_how", "reference_fold", "reference_plan_from",
+__all__ = ["PLANS", "PLANS_ENV", "SHIFT", "fold", "plan_from", "plans_how", "reference_fold", "reference_plan_from",
            "reference_round_estimates"]
