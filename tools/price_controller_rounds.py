@@ -129,7 +129,9 @@ def plot(entries: list[dict], out: str, title: str = "") -> None:
         ax.set_xticks(range(len(rows)), [f"c={r['concurrency']}\nbest: {r['best_fixed']}" for r in rows])
         ax.set_ylim(0, max(r[k][run] for r in rows for k in ("measured", "priced") for run in runs) * 1.3)
         ax.set_ylabel("speedup over plain decoding")
-        ax.set_title(f"{name}: measured (closed batch) and priced a round (slots refilled)", fontsize=8)
+        refilled = all((r["requests"] or 0) >= 2 * r["concurrency"] for r in rows if r["concurrency"] > 1)
+        measured = "measured (slots refilled)" if refilled else "measured (closed batch)"
+        ax.set_title(f"{name}: {measured} and priced a round", fontsize=8)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=4)
     if title:
