@@ -64,6 +64,9 @@ def test_a_repeated_plan_is_held_until_the_next_deciding_round(confident, spec, 
     assert held_shapes == {SpecConfig(shape="chain", depth=3, num_nodes=3) if spec.shape == "chain" else
                            SpecConfig(shape="tree", depth=3, topk=3, num_nodes=3)}  # a chain drafts its width alone
     assert HOLD_ROUNDS == 8
+    ctl.next_plan, ctl.hold_left = (4, 2), 0  # a plan narrower than deep: a held chain drafts its width alone
+    got = rounds(ctl, [(4, 2)] * 2)
+    assert got[1][:3] == ((True, 2, 2) if spec.shape == "chain" else (True, 4, 2)) and got[0][:3] == (False, 4, 2)
 
 
 def test_a_changed_plan_width_0_or_deferred_drafting_holds_nothing(confident, monkeypatch):

@@ -114,7 +114,7 @@ class Controller:
         self.plans = plans_how() if mode == "ahead" else None  # "average" (plan_averages.py), "held" or "last"
         self.averaged = self.plans in ("average", "held")
         self.hold_left = 0  # plans "held": rounds left that run the last plan undecided
-        self.held: tuple[int, int] | None = None  # the (depth, width) this round holds; None: it decides or is plain
+        self.held: tuple[int, int] | None = None  # the (depth, width) this round drafts held; None: decides or plain
         self.chain = dataclasses.replace(spec, shape="chain")
         self.trace: list[tuple[int, int]] = []
         self.sampled_depths: list[int] = []
@@ -172,9 +172,10 @@ class Controller:
                 self.plain_left, self.streak = 0, PROBE_EVERY
                 if self.hold_left > 0 and not self.deferred:  # a held plan: the fixed shape, undecided
                     self.hold_left -= 1
-                    self.held = (depth, width)
+                    shape = self._held_shape(base, depth, width)
+                    self.held = (shape.depth, width)  # as drafted (a chain: its width alone)
                     self.trace.append(self.held)
-                    return self._held_shape(base, depth, width), None
+                    return shape, None
             elif not self._probes():  # a plain round: no lookup, no shape (engine_forwards runs a plain step)
                 self.deferred = True
                 self.trace.append(PLAIN_ROUND)
