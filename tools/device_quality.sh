@@ -336,7 +336,8 @@ controller)
   # qwen3-8b), drafters CNOISE (default 0.0,untrained; CNUM prompts a timed run, 8; a shorter sweep, CCHAINS 1,3,5 and CTREES: an 8B step is
   # ~7x SmolLM2's; CCOSTS: a table measured in an earlier call, e.g. docs/bench/controller_pair_smollm2_h200_s17.costs.json
   # for CSHAPE=smollm2-135m). CCONC: concurrency levels (1,8,64); CNEW: new tokens a request; CALSO=average|held|last:
-  # also the controller planning that way (--also-plans); CTAG: a suffix of the result files (calls that
+  # also the controller planning that way (--also-plans); CFROM: the controller's chain from this batch on
+  # (--chain-from-batch, e.g. 64 to time held plans on the chain controller there); CTAG: a suffix of the result files (calls that
   # split the levels); CREQ: requests a slot (--requests-per-slot, 1: a closed batch; 4: slots refilled, as served).
   if [ "${CSTEP:-smollm2}" = smollm2 ]; then
     join_target
@@ -347,6 +348,7 @@ controller)
         --cache-dir "$W/cache" --drafter "$name=$drafter" ${costs:+--costs "$costs"} --prompt-set mtbench --num-prompts "${CNUM:-16}" \
         --prompt-len 256 --max-new-tokens "${CNEW:-128}" --concurrency "${CCONC:-1,8,64}" --requests-per-slot "${CREQ:-1}" \
         --chains "${CCHAINS:-1,2,3,4,5,6}" --trees "${CTREES:-3x4x8,4x4x16,5x8x32}" ${CALSO:+--also-plans $CALSO} \
+        ${CFROM:+--chain-from-batch $CFROM} \
         --out "$RES/controller_${name}${CTAG:-}_h200.json" > "$RES/controller_$name${CTAG:-}.log" 2>&1
       grep " c=" "$RES/controller_$name${CTAG:-}.log"
       [ -n "$costs" ] || costs=$(ls "$RES/controller_${name}${CTAG:-}_h200.costs.json" 2>/dev/null)  # measured once a lease
@@ -366,7 +368,7 @@ controller)
     timeout $(( $(left) - 10 )) python3 tools/bench_controller.py --shape "${CSHAPE:-qwen3-8b}" ${CCOSTS:+--costs "$CCOSTS"} \
       --noise "${CNOISE:-0.0,untrained}" --max-new-tokens "${CNEW:-64}" --concurrency "${CCONC:-1,8,64}" \
       --num-prompts "${CNUM:-8}" --chains "${CCHAINS:-1,3,5}" --trees "${CTREES:-3x4x8,4x4x16,5x8x32}" \
-      --requests-per-slot "${CREQ:-1}" ${CALSO:+--also-plans $CALSO} --out "$RES/controller_${CSHAPE:-qwen3-8b}${CTAG:-}_h200.json" \
+      --requests-per-slot "${CREQ:-1}" ${CALSO:+--also-plans $CALSO} ${CFROM:+--chain-from-batch $CFROM} --out "$RES/controller_${CSHAPE:-qwen3-8b}${CTAG:-}_h200.json" \
       > "$RES/controller_pair${CTAG:-}.log" 2>&1
     tail -n 10 "$RES/controller_pair${CTAG:-}.log"
   fi
