@@ -57,10 +57,10 @@ def compile_variant(batch: int, topk: int, table_depths: int, calibrated: bool, 
 
     from torchspec.runtime.decide_triton import KERNELS, kernel_variant
     from torchspec.runtime.drafting import pool_steps
-    from torchspec.runtime.plan_averages import plans_how
+    from torchspec.runtime.plan_averages import AVERAGED, plans_how
 
     widths = (num_nodes if topk > 1 else table_depths) + 1
-    meta = kernel_variant(batch, pool_steps(topk), topk, table_depths, calibrated, plans_how() == "average", widths)
+    meta = kernel_variant(batch, pool_steps(topk), topk, table_depths, calibrated, plans_how() in AVERAGED, widths)
     meta["EXACT"] = True  # what a GPU compiles (the interpreter's NumPy exp needs no compile)
     num_warps = meta.pop("num_warps")
     seconds, ptx, cubin = 0.0, 0, 0

@@ -208,7 +208,7 @@ def controller_phases(engine, args, inp, params) -> dict:
     from torchspec.runtime.calibration import Calibration
     from torchspec.runtime.controlled_drafting import draft_ahead_tree
     from torchspec.runtime.drafting import SpecConfig
-    from torchspec.runtime.plan_averages import plans_how
+    from torchspec.runtime.plan_averages import AVERAGED, plans_how
     from torchspec.runtime.round_costs import RoundCosts
     from torchspec.runtime.steps import speculate
 
@@ -217,7 +217,7 @@ def controller_phases(engine, args, inp, params) -> dict:
     cal = Calibration(dev)
     costs = RoundCosts(torch.full((args.depth,), 0.1, device=dev),
                        1 + 0.01 * torch.arange(args.num_nodes + 1.0, device=dev), cal, plan=(args.depth, args.num_nodes))
-    if plans_how() == "average":  # the runtime's default: plans from the averaged table, folded by the kernel
+    if plans_how() in AVERAGED:  # the runtime's default: plans from the averaged table, folded by the kernel
         costs.averages = cal.averages_for(spec.shape, args.depth, args.num_nodes + 1)
     draft_ahead_tree(engine.runner, engine.caches.drafter, inp, spec, costs)
     pending = cal.pending.clone()

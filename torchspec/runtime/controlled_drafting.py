@@ -74,7 +74,7 @@ from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, TreePool, grow_dynamic_tree
 from torchspec.runtime.paged_kv import PagedKVCache
-from torchspec.runtime.plan_averages import fold, plan_from, plans_how
+from torchspec.runtime.plan_averages import AVERAGED, fold, plan_from, plans_how
 from torchspec.runtime.round_costs import DENSE_WIDTHS, RoundCosts, check_table_for
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.tree import DraftTree
@@ -112,7 +112,7 @@ class Controller:
         self.table, self.spec, self.calibration, self.chain_from_batch = table, spec, calibration, chain_from_batch
         self.mode = mode
         self.plans = plans_how() if mode == "ahead" else None  # "average" (plan_averages.py), "held" or "last"
-        self.averaged = self.plans in ("average", "held")
+        self.averaged = self.plans in AVERAGED
         self.hold_left = 0  # plans "held": rounds left that run the last plan undecided
         self.held: tuple[int, int] | None = None  # the (depth, width) this round drafts held; None: decides or plain
         self.chain = dataclasses.replace(spec, shape="chain")

@@ -60,6 +60,7 @@ from torchspec.runtime.controller_reference import reference_expected_tokens
 SHIFT = 1  # the newest round's weight in the average: 2^-SHIFT
 PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "average" (default), "held" or "last" (the last round's ratings alone)
 PLANS = ("average", "held", "last")  # "held": averaged, and a plan a deciding round repeats is held (controlled_drafting)
+AVERAGED = ("average", "held")  # the plans read from the averaged table (the decision kernel folds it)
 
 
 def plans_how() -> str:
@@ -145,5 +146,5 @@ def reference_plan_from(averages: list[list[int]], depth_ms: list[float], verify
     return (*best, *probe)
 
 
-__all__ = ["PLANS", "PLANS_ENV", "SHIFT", "fold", "plan_from", "plans_how", "reference_fold", "reference_plan_from",
+__all__ = ["AVERAGED", "PLANS", "PLANS_ENV", "SHIFT", "fold", "plan_from", "plans_how", "reference_fold", "reference_plan_from",
            "reference_round_estimates"]
