@@ -24,8 +24,8 @@ capture is in the timing), the same controller drafting a chain (k = 1), and wit
 planning its rounds another way too (``also_plans_speedup``: "average", from recent rounds' ratings,
 ``torchspec/runtime/plan_averages.py``; "held", averaged and a repeated plan held undecided for a few rounds; or
 "last", the last round's alone; ``plans``: the runtime's default), and
-``priced``: every run's speedup priced per round, as refilled slots would see it (``price_controller_rounds.py``;
-at c > 1 a closed batch's tail is in the measured speedup, not in this); ``chain_from_batch`` per drafter is the
+``priced``: every run's speedup priced per round, without the run's tail or prefill (``price_controller_rounds.py``;
+an upper bound on the measured speedup at c > 1); ``chain_from_batch`` per drafter is the
 concurrency from which the chain wins -- priced a round in a closed batch, measured where slots were refilled
 (``chain_from_batch_basis``) -- the engine's ``chain_from_batch``, the table the issue asks to measure per setup.
 

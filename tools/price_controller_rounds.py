@@ -10,8 +10,10 @@ plain decoding's one token over a plain round's time:
     priced speedup = acceptance * mean plain round ms / mean round ms      (means weighted by rounds of each kind)
 
 Where the two readings agree (c = 1: one row, no tail) the pricing is the measurement; at c = 8 and 64 the gap
-between them is the closed batch's tail. An estimate from measured rounds, not a measurement of serving:
-``--requests-per-slot`` in the bench measures it (4 x c requests, slots refilled). Every bench row carries it
+between them is the run's tail (rounds with fewer live rows than slots) and the prefill every run pays. Refilled
+slots (the bench's ``--requests-per-slot``) shorten the tail but keep the last requests': with 4 x c requests at
+c = 64 chain3's priced x1.29 was measured x1.12 (129 rounds where full rows would need 117; twenty-eighth
+session). So the pricing is an upper bound on a run's speedup; the runs' ratios agree better. Every bench row carries it
 (``priced``); this script also reprices rows written before it did:
 
     python tools/price_controller_rounds.py docs/bench/controller_s26/controller_eagle4_h100.json \\
