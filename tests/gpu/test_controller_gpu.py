@@ -297,3 +297,26 @@ def test_every_planned_round_is_captured_before_any_runs(pair, tiny_tokenizer, s
         decisions |= set(engine.controller.trace)
     assert len(decisions) > 3 and not engine.graphs.failed
     assert engine.free_pages == engine.total_pages
+
+
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_held_plans_run_as_captured_graphs_and_keep_greedy_output(pair, tiny_tokenizer, shape, monkeypatch):
+    """Held plans (``TORCHSPEC_CONTROLLER_PLANS=held``) on CUDA graphs: every held shape is among the graphs
+    captured before the run, so the run captures nothing more; held rounds run; the output is plain decoding's."""
+    monkeypatch.setenv(PLANS_ENV, "held")
+    engine = engine_of(pair, cuda_graphs=True)
+    engine.runner.model.lm_head.weight.data.mul_(40.0)
+    ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "the cat sat", "alpha", "one")]
+    plain = engine.generate(ps, max_new_tokens=48, ignore_eos=True, concurrency=4)
+    spec = SpecConfig(shape=shape, depth=4, topk=3, num_nodes=12)
+    costs = linear_table(engine, 1e-4, 1e-4, widths=[1, 3], nodes=[0, 1, 2, 4, 8, 12])  # cheap: plans settle
+    engine.configure(spec=spec, controller=costs, concurrency=4)
+    assert engine.capture_controller_graphs() > 0
+    before = len(engine.graphs)
+    engine.round_kinds.clear()
+    out = engine.generate(ps, max_new_tokens=48, spec=spec, ignore_eos=True, controller=costs, concurrency=4)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert len(engine.graphs) == before, "a held round captured a graph it should have found captured"
+    held = sum(n for kind, (n, _) in engine.round_kinds.items() if kind.startswith("held"))
+    assert held > 0, engine.round_kinds
+    assert not engine.graphs.failed and engine.free_pages == engine.total_pages
