@@ -8,7 +8,7 @@ states it captured (``PendingDrafter.push``: a few small writes, no drafter forw
 drafts first catches the drafter up on all of them in one forward (``catch_up_pending``: positions ctx - count ..
 ctx - 1, each row its own count), which on a launch-bound target costs about what one position's catch-up does.
 The drafter's caches and state after that equal those a full round verifying nothing would have left after each
-plain round (``tests/unit/test_controlled_drafting.py``).
+plain round (``tests/unit/test_controller_probes.py``).
 
 Buffers live per engine slot, sized for ``capacity`` deferred positions (the controller probes before a streak
 outgrows it); a slot's count is zeroed when it is prefilled. Every method is tensor code without host reads, so
