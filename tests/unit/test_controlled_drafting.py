@@ -14,16 +14,12 @@ import dataclasses
 import pytest
 import torch
 
-from tests.cost_tables import linear_table
+from tests.controller_cases import NODES, SPECS, cpu_engine, prompts, run, table
 from tests.runtime_pair import build_pair
 from torchspec.runtime.calibration import ALPHAS, Calibration
 from torchspec.runtime.controlled_drafting import MODES
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafting import SpecConfig
-from torchspec.runtime.loading import load_engine
-
-SPECS = [SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12), SpecConfig(shape="chain", depth=5)]
-NODES = [0, 1, 2, 4, 8, 12]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +29,7 @@ def pair(tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def engine(pair):
-    return load_engine(*pair, device="cpu", dtype="float32", max_batch=3, max_context=160, page_size=4)
+    return cpu_engine(pair)
 
 
 @pytest.fixture(scope="module")
@@ -41,25 +37,17 @@ def confident(pair):
     """The same drafter with its head's logits scaled x40: the same argmax (the same accepted drafts), but
     confident -- the tiny pair's own distributions are near-flat (top probability ~0.004), which no
     cost table makes worth a second depth."""
-    engine = load_engine(*pair, device="cpu", dtype="float32", max_batch=3, max_context=160, page_size=4)
-    engine.runner.model.lm_head.weight.data.mul_(40.0)
-    return engine
+    return cpu_engine(pair, confident=True)
 
 
 @pytest.fixture(scope="module")
 def confidently_wrong(pair):
     """Confident (head x40) and wrong: eh_proj scrambled, so the drafter no longer reads the token it
     must continue -- what an untrained drafter whose head is the target's looks like."""
-    engine = load_engine(*pair, device="cpu", dtype="float32", max_batch=3, max_context=160, page_size=4)
-    engine.runner.model.lm_head.weight.data.mul_(40.0)
+    engine = cpu_engine(pair, confident=True)
     w = engine.runner.model.eh_proj.weight
     w.data.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(7)) * 3 / w.shape[1] ** 0.5)
     return engine
-
-
-def prompts(tokenizer, n: int) -> list[list[int]]:
-    texts = ["hello there", "the cat sat on a mat and", "one two three", "repeat: red green blue"]
-    return [tokenizer.encode(texts[i % len(texts)], add_special_tokens=False) for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +55,9 @@ def plain(engine, tiny_tokenizer):
     return {n: engine.generate(prompts(tiny_tokenizer, n), max_new_tokens=32, ignore_eos=True) for n in (1, 3)}
 
 
-def table(engine, depth: float, verify_per_node: float, *, noise: float = 0.0, seed: int = 0) -> CostTable:
-    return linear_table(engine, depth, verify_per_node, widths=[1, 2, 3], nodes=NODES, noise=noise, seed=seed)
-
-
 @pytest.fixture(params=MODES)
 def mode(request):
     return request.param
-
-
-def run(engine, tokenizer, n: int, spec: SpecConfig, costs: CostTable, mode: str):
-    out = engine.generate(prompts(tokenizer, n), max_new_tokens=32, spec=spec, ignore_eos=True, controller=costs,
-                          controller_mode=mode)
-    return out, list(engine.controller.trace)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)

@@ -8,17 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.controller_cases import NODES, SPECS, cpu_engine
 from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
 from torchspec.runtime.calibration import Calibration
 from torchspec.runtime.controlled_drafting import HOLD_ROUNDS, PLAIN_ROUND, Controller
 from torchspec.runtime.drafting import SpecConfig
-from torchspec.runtime.loading import load_engine
 from torchspec.runtime.plan_averages import PLANS_ENV
 from torchspec.runtime.sampling import SamplingParams
 
-SPECS = [SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12), SpecConfig(shape="chain", depth=5)]
-NODES = [0, 1, 2, 4, 8, 12]
 GREEDY = SamplingParams()
 
 
@@ -30,9 +28,7 @@ def pair(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="module")
 def confident(pair):
     """The tiny pair's drafter with its head's logits x40: the same drafts, confident enough to be verified."""
-    engine = load_engine(*pair, device="cpu", dtype="float32", max_batch=3, max_context=160, page_size=4)
-    engine.runner.model.lm_head.weight.data.mul_(40.0)
-    return engine
+    return cpu_engine(pair, confident=True)
 
 
 def controller(engine, spec: SpecConfig, monkeypatch, plans: str = "held") -> Controller:

@@ -12,15 +12,10 @@ import dataclasses
 import pytest
 import torch
 
-from tests.cost_tables import linear_table
+from tests.controller_cases import SPECS, cpu_engine, prompts, run, table
 from tests.runtime_pair import build_pair
 from torchspec.runtime.calibration import Calibration
-from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafting import SpecConfig
-from torchspec.runtime.loading import load_engine
-
-SPECS = [SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12), SpecConfig(shape="chain", depth=5)]
-NODES = [0, 1, 2, 4, 8, 12]
 
 
 @pytest.fixture(scope="module")
@@ -30,27 +25,13 @@ def pair(tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def engine(pair):
-    return load_engine(*pair, device="cpu", dtype="float32", max_batch=3, max_context=160, page_size=4)
-
-
-def prompts(tokenizer, n: int) -> list[list[int]]:
-    texts = ["hello there", "the cat sat on a mat and", "one two three", "repeat: red green blue"]
-    return [tokenizer.encode(texts[i % len(texts)], add_special_tokens=False) for i in range(n)]
+    return cpu_engine(pair)
 
 
 @pytest.fixture(scope="module")
 def plain(engine, tiny_tokenizer):
     return {1: engine.generate(prompts(tiny_tokenizer, 1), max_new_tokens=32, ignore_eos=True)}
 
-
-def table(engine, depth: float, verify_per_node: float, *, noise: float = 0.0, seed: int = 0) -> CostTable:
-    return linear_table(engine, depth, verify_per_node, widths=[1, 2, 3], nodes=NODES, noise=noise, seed=seed)
-
-
-def run(engine, tokenizer, n: int, spec: SpecConfig, costs: CostTable, mode: str):
-    out = engine.generate(prompts(tokenizer, n), max_new_tokens=32, spec=spec, ignore_eos=True, controller=costs,
-                          controller_mode=mode)
-    return out, list(engine.controller.trace)
 
 def _probe_rounds(n: int) -> list[int]:
     """The rounds of a width-0 plan that probe: the first, then streaks of PROBE_EVERY doubling to PROBE_MOST."""
