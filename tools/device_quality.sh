@@ -18,6 +18,9 @@
 #           trains with the time left)
 #   call 3: cd /tmp/snap && bash tools/device_quality.sh train     (repeat while time is left; or warm, below)
 #   call 4: cd /tmp/snap && bash tools/device_quality.sh quality
+#   Reusing an earlier lease's regenerated data (~150 s of the 1,800 s budget saved): keep its regen_data.tgz in
+#   .carryR beside smol.part1 (ln .carryA/smol.part1 .carryR/), carry .whl .carryR in call 1 ("cp -r .whl .carryR
+#   /tmp/" ... stage), and run call 2 as REGEN_TGZ=/tmp/.carryR/regen_data.tgz ... regenerate (it trains at once).
 #   then, to keep the drafter for a later lease: FETCH=eagle4 FETCH_PARTS="0 1 2" ... fetch, FETCH_PARTS="3 4" ...
 #   fetch (copy each call's files here into .carryD and .carryE); a later lease, after call 1, carries .carryB,
 #   .carryD and .carryE in three calls ("cp -r .carryX /tmp/", carry .carryX), the last one going on with
@@ -175,7 +178,9 @@ stage)
   # importlib.metadata needs torchspec's own record (the repo runs from PYTHONPATH, not installed)
   mkdir -p /tmp/site/torchspec-0.1.0.dist-info && printf 'Metadata-Version: 2.1\nName: torchspec\nVersion: 0.1.0\n' \
     > /tmp/site/torchspec-0.1.0.dist-info/METADATA
-  cp "$CARRY/.carryA/smol.part1" "$W/" || exit 1
+  # the target's first half: in .carryA (with the ShareGPT users' turns) or .carryR (with regen_data.tgz instead)
+  for d in .carryA .carryR; do [ -f "$CARRY/$d/smol.part1" ] && cp "$CARRY/$d/smol.part1" "$W/" && break; done
+  [ -f "$W/smol.part1" ] || { echo "stage: no smol.part1 in $CARRY/.carryA or $CARRY/.carryR; carry one (header)"; exit 2; }
   # the ShareGPT users' turns (not carried when REGEN_TGZ brings the regenerated data instead)
   [ -f "$CARRY/.carryA/sg_users.jsonl.gz" ] && gunzip -c "$CARRY/.carryA/sg_users.jsonl.gz" > "$W/sg_users.jsonl"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/gpu.txt"
