@@ -78,6 +78,15 @@ def store_round(engine, rows: torch.Tensor, out) -> None:
         engine.feedback[rows] = out.feedback.to(engine.feedback.dtype)
 
 
+def round_label(engine, name: str, spec, costs) -> str:
+    """The round's kind in ``engine.round_kinds``: a controller's decided plan ``d<depth>w<width>``, its held plan
+    ``held d<depth>w<width>``, a sampled controlled round ``spec``, else the step's name."""
+    if costs is not None:
+        return f"d{costs.plan[0]}w{costs.plan[1]}" if costs.plan is not None else "spec"
+    held = engine.controller.held if engine.controller is not None and spec is not None else None
+    return f"held d{held[0]}w{held[1]}" if held else name
+
+
 def decode_round(engine, rows: list[int], greedy: bool) -> None:
     """One decode round (speculation, or a plain step) over ``rows``; with CUDA graphs every slot
     runs, the others as invalid rows, so one static shape serves all rounds."""
@@ -117,9 +126,7 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
         spec, costs = None, None
     name, step = round_step(engine, spec, costs, deferring)
     args = round_args(engine, name, index, ctx, valid, bt, params, costs)
-    held = engine.controller.held if engine.controller is not None and spec is not None else None
-    label = (f"held d{held[0]}w{held[1]}" if held else name) if costs is None else (
-        f"d{costs.plan[0]}w{costs.plan[1]}" if costs.plan is not None else "spec")
+    label = round_label(engine, name, spec, costs)
     key = round_key(name, len(active), spec, kind, cols, costs)
     stateful = deferring or costs is not None  # deferred drafter entries, the calibration's evidence
     out = step(**args) if engine.graphs is None else run_graph(engine, key, step, args, stateful)
