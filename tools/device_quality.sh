@@ -179,6 +179,7 @@ stage)
   mkdir -p /tmp/site/torchspec-0.1.0.dist-info && printf 'Metadata-Version: 2.1\nName: torchspec\nVersion: 0.1.0\n' \
     > /tmp/site/torchspec-0.1.0.dist-info/METADATA
   # the target's first half: in .carryA (with the ShareGPT users' turns) or .carryR (with regen_data.tgz instead)
+  rm -f "$W/smol.part1"  # a part left by an earlier call must not pass the check below
   for d in .carryA .carryR; do [ -f "$CARRY/$d/smol.part1" ] && cp "$CARRY/$d/smol.part1" "$W/" && break; done
   [ -f "$W/smol.part1" ] || { echo "stage: no smol.part1 in $CARRY/.carryA or $CARRY/.carryR; carry one (header)"; exit 2; }
   # the ShareGPT users' turns (not carried when REGEN_TGZ brings the regenerated data instead)
