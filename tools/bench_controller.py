@@ -237,6 +237,7 @@ def bench(args) -> dict:
             warm_ups = [(controlled, None), (chain, None)] + ([(controlled, args.also_plans)] if args.also_plans else [])
             for spec, plans in warm_ups:  # each way of planning has its own graphs (the decision kernel's variant)
                 if engine.graphs is not None:  # a whole run each, so no timed repeat captures a graph
+                    print(f"warm-up c={c} {'chain' if spec is chain else 'tree'} plans={plans}", flush=True)
                     with plans_env(plans):  # its first round captures every shape it may plan (capture_round_shapes)
                         run(spec=spec, controller=table, controller_mode=mode,
                             chain_from_batch=args.chain_from_batch if spec is controlled else None)
