@@ -1,20 +1,26 @@
-"""Held plans (``TORCHSPEC_CONTROLLER_PLANS=held``, ``controlled_drafting.HOLD_ROUNDS``): a verifying plan that a
-deciding round plans again runs as its fixed shape, undecided, until the HOLD_ROUNDS-th round after it decides
-again. Checked on the controller's schedule (what holds, for how long, what never holds), on the graphs captured
-before a batch's first round (every held shape among them), and on served text (plain decoding's, greedy)."""
+"""Held plans (``TORCHSPEC_CONTROLLER_PLANS=held``, ``held_plans.py``): a verifying plan that a deciding round plans
+again runs as its fixed shape, undecided, until the HOLD_ROUNDS-th round after it decides again, or until its
+rounds' committed tokens stop paying for it. Checked on the controller's schedule (what holds, for how long, what
+never holds, what ends a hold), on the break-even it is held to, on the graphs captured before a batch's first
+round (every held shape among them), and on served text (plain decoding's, greedy)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
+import torchspec.runtime.controlled_drafting as controlled_drafting
 from tests.controller_cases import NODES, SPECS, cpu_engine
 from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
 from torchspec.runtime.calibration import Calibration
-from torchspec.runtime.controlled_drafting import HOLD_ROUNDS, PLAIN_ROUND, Controller
+from torchspec.runtime.controlled_drafting import PLAIN_ROUND, Controller
 from torchspec.runtime.drafting import SpecConfig
+from torchspec.runtime.held_plans import HOLD_ROUNDS, Hold
 from torchspec.runtime.plan_averages import PLANS_ENV
+from torchspec.runtime.round_costs import break_even_tokens
 from torchspec.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -37,15 +43,19 @@ def controller(engine, spec: SpecConfig, monkeypatch, plans: str = "held") -> Co
     return Controller(costs, spec, Calibration(torch.device("cpu")))
 
 
-def rounds(ctl: Controller, plans: list[tuple[int, int]]) -> list[tuple]:
-    """Each round's (held?, depth, width, shape); a deciding round's plan for the next is the next of ``plans``."""
+PAYS = 20  # tokens two rows commit in a round: 10 a row-round, beyond any plan's break-even in these tables
+
+
+def rounds(ctl: Controller, plans: list[tuple[int, int]], tokens: list[int] | None = None) -> list[tuple]:
+    """Each round's (held?, depth, width, shape); a deciding round's plan for the next is the next of ``plans``;
+    round i commits ``tokens[i]`` over 2 rows (default: ``PAYS`` every round)."""
     got = []
-    for nxt in plans:
+    for i, nxt in enumerate(plans):
         shape, costs = ctl.plan(GREEDY, 2, 100)
         held = costs is None
         depth, width = ctl.held if held else costs.plan
         got.append((held, depth, width, shape))
-        ctl.after(costs, None if held else [*nxt, 1, 1])  # a held round writes no plan
+        ctl.after(costs, None if held else [*nxt, 1, 1], PAYS if tokens is None else tokens[i], 2)  # held: no plan
     return got
 
 
@@ -60,7 +70,8 @@ def test_a_repeated_plan_is_held_until_the_next_deciding_round(confident, spec, 
     assert held_shapes == {SpecConfig(shape="chain", depth=3, num_nodes=3) if spec.shape == "chain" else
                            SpecConfig(shape="tree", depth=3, topk=3, num_nodes=3)}  # a chain drafts its width alone
     assert HOLD_ROUNDS == 8
-    ctl.next_plan, ctl.hold_left = (4, 2), 0  # a plan narrower than deep: a held chain drafts its width alone
+    ctl.next_plan = (4, 2)
+    ctl.hold.stop()  # a plan narrower than deep: a held chain drafts its width alone
     got = rounds(ctl, [(4, 2)] * 2)
     assert got[1][:3] == ((True, 2, 2) if spec.shape == "chain" else (True, 4, 2)) and got[0][:3] == (False, 4, 2)
 
@@ -70,9 +81,10 @@ def test_a_changed_plan_width_0_or_deferred_drafting_holds_nothing(confident, mo
     ctl.next_plan = (2, 2)
     got = rounds(ctl, [(3, 4), (2, 2), (3, 4), (2, 2)])  # every round plans another shape than it ran
     assert not any(held for held, *_ in got)
-    ctl.next_plan, ctl.hold_left = (2, 2), 0
+    ctl.next_plan = (2, 2)
+    ctl.hold.stop()
     assert not any(held for held, *_ in rounds(ctl, [(1, 0)] * 3))  # width 0: plain rounds and probes
-    ctl.next_plan, ctl.hold_left, ctl.deferred = (2, 2), 3, True  # a plain round's drafter entry is pending
+    ctl.next_plan, ctl.hold.left, ctl.deferred = (2, 2), 3, True  # a plain round's drafter entry is pending
     shape, costs = ctl.plan(GREEDY, 2, 100)
     assert costs is not None and costs.flush  # the round decides and catches the drafter up first
     positive = controller(confident, SPECS[0], monkeypatch)  # positive control: the same plan twice holds
@@ -88,6 +100,73 @@ def test_other_plans_never_hold(confident, monkeypatch, plans):
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)
+def test_a_hold_ends_once_its_rounds_stop_paying(confident, spec, monkeypatch):
+    """A hold runs only while the tokens a row-round of its deciding round and held rounds reach the plan's
+    break-even: one held round at a token a row (a plain step's yield at a speculating round's cost) ends it, and
+    the next round decides; a deciding round that itself falls short starts no hold."""
+    ctl = controller(confident, spec, monkeypatch)
+    need = break_even_tokens(ctl.table, ctl._held_shape(ctl._base(2), 3, 3), 3, 2, 64)
+    assert 7 / 6 < need <= 5 / 4  # 1.21: depth 0 and 2 more at 0.05 ms, 3 nodes at 0.02 over a 1 ms plain step
+    ctl.next_plan = (3, 3)
+    got = rounds(ctl, [(3, 3)] * 6, tokens=[3, 2, 2, PAYS, PAYS, PAYS])  # 3/2, 5/4, then 7/6 a row-round
+    assert [held for held, *_ in got] == [False, True, True, False, True, True]  # round 2 falls short: 3 decides
+    ctl = controller(confident, spec, monkeypatch)
+    ctl.next_plan = (3, 3)
+    short = int(need * 2) - 1  # two rows a round: just under the break-even
+    assert [held for held, *_ in rounds(ctl, [(3, 3)] * 3, tokens=[short] * 3)] == [False] * 3
+    exact = int(need * 2) + 1  # at or above it: held
+    ctl = controller(confident, spec, monkeypatch)
+    ctl.next_plan = (3, 3)
+    assert [held for held, *_ in rounds(ctl, [(3, 3)] * 3, tokens=[exact] * 3)] == [False, True, True]
+
+
+def test_a_hold_counts_every_round_since_it_started():
+    """The break-even is judged on all the hold's row-rounds together, so one short round after good ones goes
+    on while the total still pays."""
+    hold = Hold()
+    hold.start(need=2.0, tokens=12, rows=4)  # 3 a row-round
+    assert hold.take() and hold.left == HOLD_ROUNDS - 2
+    hold.observe(tokens=4, rows=4)  # 16 over 8: still 2 a row-round
+    assert hold.take()
+    hold.observe(tokens=3, rows=4)  # 19 over 12: below 2
+    assert not hold.take() and hold.left == 0
+    hold.start(need=2.0, tokens=7, rows=4)  # a new hold starts afresh: 1.75 a row-round, short
+    assert not hold.take()
+    hold.start(need=2.0, tokens=8, rows=4)
+    assert [hold.take() for _ in range(HOLD_ROUNDS)] == [True] * (HOLD_ROUNDS - 1) + [False]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)
+def test_break_even_is_the_held_rounds_cost_over_a_plain_steps(confident, spec):
+    """``break_even_tokens`` from the table: depth 0 (the width-0 round less its plain step), each later depth at
+    the drafter's width, the verify forward of the width and the host's time a round, over a plain step's time."""
+    costs = linear_table(confident, 0.05, 0.02, widths=[1, 2, 3], nodes=NODES)
+    costs = dataclasses.replace(costs, overhead=torch.tensor([0.25, 0.25, 0.25], dtype=torch.float64))
+    shape = dataclasses.replace(spec, depth=3, num_nodes=4) if spec.shape == "tree" else \
+        dataclasses.replace(spec, depth=4, num_nodes=4)
+    depths = shape.depth  # a tree of depth 3 verifying 4 nodes, or a chain of 4
+    expected = (0.05 + (depths - 1) * 0.05 + 1 + 0.02 * 4 + 0.25) / (1 + 0.25)
+    assert break_even_tokens(costs, shape, 4, 4, 100) == pytest.approx(expected, rel=1e-6)  # fp32 lookups
+
+
+def test_served_holds_follow_what_the_rounds_commit(confident, tiny_tokenizer, monkeypatch):
+    """The engine hands every round's committed tokens to the controller: held at a break-even of 0, never held
+    when no round could pay (a break-even of 1e9), and plain decoding's text either way."""
+    ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "the cat sat on", "one two")]
+    plain = [r.token_ids for r in confident.generate(ps, max_new_tokens=40, ignore_eos=True)]
+    costs = linear_table(confident, 1e-4, 1e-4, widths=[1, 2, 3], nodes=NODES)
+    monkeypatch.setenv(PLANS_ENV, "held")
+    held_rounds = {}
+    for need in (0.0, 1e9):
+        monkeypatch.setattr(controlled_drafting, "break_even_tokens", lambda *a, need=need: need)
+        confident.round_kinds.clear()
+        out = confident.generate(ps, max_new_tokens=40, spec=SPECS[0], ignore_eos=True, controller=costs)
+        assert [r.token_ids for r in out] == plain
+        held_rounds[need] = sum(n for kind, (n, _) in confident.round_kinds.items() if kind.startswith("held"))
+    assert held_rounds[0.0] > 0 and held_rounds[1e9] == 0, held_rounds
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)
 def test_round_shapes_hold_every_held_round(confident, spec, monkeypatch):
     """What the engine captures before a batch's first controlled round includes each plan's held shape (no
     costs), so a hold never captures a graph inside a timed run or a request."""
@@ -98,7 +177,7 @@ def test_round_shapes_hold_every_held_round(confident, spec, monkeypatch):
     seen = set()
     for depth in range(1, spec.depth + 1):
         for width in range(1, 3 * spec.num_nodes):
-            ctl.next_plan, ctl.hold_left, ctl.deferred, ctl.plain_left = (depth, width), 1, False, 0
+            ctl.next_plan, ctl.hold.left, ctl.deferred, ctl.plain_left = (depth, width), 1, False, 0
             shape, costs = ctl.plan(GREEDY, 2, 100)
             assert costs is None and (shape, None) in family, (depth, width)
             seen.add(shape)

@@ -58,7 +58,7 @@ def test_probe_streaks_double_while_width_0_and_reset_after_a_verifying_round(en
         for _ in range(n):
             _, costs = ctl.plan(greedy, 2, 100)
             got.append(costs.plan)
-            ctl.after(costs, plan if costs.plan != PLAIN_ROUND else None)  # a plain round writes no plan
+            ctl.after(costs, plan if costs.plan != PLAIN_ROUND else None, 2, 2)  # a plain round writes no plan
         return got
 
     first = rounds(130, [1, 0])
@@ -135,11 +135,11 @@ def test_a_probe_drafts_the_best_verifying_shape_the_averages_rate(engine, monke
     greedy = SamplingParams()
     _, costs = ctl.plan(greedy, 2, 100)  # the first round: a probe
     assert costs.plan == (1, PROBE_WIDTH) and (costs.averages is not None) == (plans == "average")
-    ctl.after(costs, [1, 0, 3, 12])  # plain next; were it to probe: depth 3, 12 nodes
+    ctl.after(costs, [1, 0, 3, 12], 2, 2)  # plain next; were it to probe: depth 3, 12 nodes
     ctl.plain_left = 0  # the streak's end
     _, probe = ctl.plan(greedy, 2, 100)
     assert probe.plan == ((3, 12) if plans == "average" else (1, PROBE_WIDTH))
-    ctl.after(probe, [1, 0, 4, 100])  # a probe beyond the spec's shape: its depth and widest allowed width
+    ctl.after(probe, [1, 0, 4, 100], 2, 2)  # a probe beyond the spec's shape: its depth and widest allowed width
     assert ctl.plan(greedy, 2, 100)[1].plan == PLAIN_ROUND
     ctl.plain_left = 0
     assert ctl.plan(greedy, 2, 100)[1].plan == ((4, 12) if plans == "average" else (1, PROBE_WIDTH))

@@ -38,11 +38,12 @@ them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the roun
 host (one sync a depth), without CUDA graphs. Device-chained per-depth graphs are not built.
 
 **Held plans** (``TORCHSPEC_CONTROLLER_PLANS=held``: averaged plans, and holds): when a deciding round plans
-the very (depth, width) it ran, the next ``HOLD_ROUNDS - 1`` rounds run that plan as the fixed shape (a chain's
+the very (depth, width) it ran, the next ``held_plans.HOLD_ROUNDS - 1`` rounds run that plan as the fixed shape (a chain's
 scoreless walk of ``width`` nodes, or the tree of ``depth`` keeping its ``width`` best), with no scores,
 decision or calibration evidence, and the round after them decides again; a plan that changes, or width 0,
-holds nothing. A controlled chain round cost 2.7% more than the fixed chain of its shape at batch 64 (H100,
-twenty-eighth session): where the averaged plan settles, most rounds need not pay that.
+holds nothing, and a hold ends early once its rounds' committed tokens stop paying for the plan against a plain
+step (``held_plans.py``). A controlled chain round cost 2.7% more than the fixed chain of its shape at batch 64
+(H100, twenty-eighth session): where the averaged plan settles, most rounds need not pay that.
 
 **Calibration** (``calibration.py``) scales the drafter's confidence by how far it has been borne out,
 so an untrained drafter is verified for a round or two, then almost never.
@@ -73,9 +74,10 @@ from torchspec.runtime.controller_policy import (
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, TreePool, grow_dynamic_tree
+from torchspec.runtime.held_plans import Hold
 from torchspec.runtime.paged_kv import PagedKVCache
 from torchspec.runtime.plan_averages import AVERAGED, fold, plan_from, plans_how
-from torchspec.runtime.round_costs import DENSE_WIDTHS, RoundCosts, check_table_for
+from torchspec.runtime.round_costs import DENSE_WIDTHS, RoundCosts, break_even_tokens, check_table_for
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.tree import DraftTree
 
@@ -84,8 +86,6 @@ PLAIN_ROUND = (0, 0)  # ahead mode's plan for a round that drafts nothing (steps
 PROBE_EVERY = 8  # while the plan is width 0, the first round and the PROBE_EVERY-th after draft depth 0 and decide
 PROBE_WIDTH = 1  # a probe verifies this many nodes (an underconfident drafter is found out only by verifying it)
 PROBE_MOST = 64  # ... the streak between probes doubling after each probe that plans width 0 again, up to this
-HOLD_ROUNDS = 8  # plans "held": a verifying plan that a deciding round plans again is drafted undecided until the
-# HOLD_ROUNDS-th round after it, which decides (a held round is the fixed shape's: no scores, decision or evidence)
 CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP tokens of context) and kept
 DECIDE_ENV = "TORCHSPEC_CONTROLLER_DECIDE"  # "fused" (default: one Triton kernel on CUDA) or "tensor"
 _UNBUILT: list[str] = []  # why the decision kernel could not be built here, once it could not (then: tensor ops)
@@ -113,7 +113,9 @@ class Controller:
         self.mode = mode
         self.plans = plans_how() if mode == "ahead" else None  # "average" (plan_averages.py), "held" or "last"
         self.averaged = self.plans in AVERAGED
-        self.hold_left = 0  # plans "held": rounds left that run the last plan undecided
+        self.hold = Hold()  # plans "held": the rounds left that run the last plan undecided, and what they commit
+        self._at = (0, 0)  # the last greedy round's (padded batch, context): where a hold's break-even is priced
+        self._break_even: dict[tuple, float] = {}  # (shape, width, batch, ctx bucket) -> break_even_tokens
         self.held: tuple[int, int] | None = None  # the (depth, width) this round drafts held; None: decides or plain
         self.chain = dataclasses.replace(spec, shape="chain")
         self.trace: list[tuple[int, int]] = []
@@ -167,11 +169,11 @@ class Controller:
             base = self._base(batch)
             if self.mode == "within":
                 return base, self._lookup(base, batch, ctx, sampled=False)
+            self._at = (batch, ctx)
             depth, width = self._allowed(self.next_plan, base, params)
             if width > 0:  # a verifying round: a later width-0 plan starts over with a probe and short streaks
                 self.plain_left, self.streak = 0, PROBE_EVERY
-                if self.hold_left > 0 and not self.deferred:  # a held plan: the fixed shape, undecided
-                    self.hold_left -= 1
+                if not self.deferred and self.hold.take():  # a held plan: the fixed shape, undecided
                     shape = self._held_shape(base, depth, width)
                     self.held = (shape.depth, width)  # as drafted (a chain: its width alone)
                     self.trace.append(self.held)
@@ -266,19 +268,36 @@ class Controller:
         elif self.deferred:
             costs.flush, self.deferred = True, False
 
-    def after(self, costs: RoundCosts | None, plan: list[int] | None) -> None:
-        """After the round's host sync, with the plan it wrote (``StepOut.plan``, read in that sync): the next
-        greedy round's (depth, width) in ahead mode, the next sampled round's depth."""
+    def after(self, costs: RoundCosts | None, plan: list[int] | None, tokens: int, rows: int) -> None:
+        """After the round's host sync, with the plan it wrote (``StepOut.plan``, read in that sync) and the tokens
+        its ``rows`` live rows committed: the next greedy round's (depth, width) in ahead mode, the next sampled
+        round's depth; with plans "held", whether a hold starts, goes on or ends (``held_plans.py``)."""
+        if self.held is not None:  # a held round: its plan goes on only while it pays
+            self.hold.observe(tokens, rows)
         if costs is None or plan is None:
             return
         if costs.plan is not None:
             self.next_plan = (int(plan[0]), int(plan[1]))
-            repeated = self.next_plan == tuple(costs.plan) and self.next_plan[1] > 0
-            self.hold_left = HOLD_ROUNDS - 1 if self.plans == "held" and repeated else 0
+            if self.plans == "held" and self.next_plan == tuple(costs.plan) and self.next_plan[1] > 0:
+                self.hold.start(self._hold_need(*self.next_plan), tokens, rows)
+            else:
+                self.hold.stop()
             if len(plan) >= 4:
                 self.probe_plan = (int(plan[2]), int(plan[3]))
         elif costs.max_sampled_depth:
             self.sampled_depth = int(plan[0])
+
+    def _hold_need(self, depth: int, width: int) -> float:
+        """The tokens a row-round the held shape of (depth, width) must commit at the last round's batch and
+        context (``round_costs.break_even_tokens``), priced once per context bucket."""
+        batch, ctx = self._at
+        shape = self._held_shape(self._base(batch), depth, width)
+        key = (shape, width, batch, ctx // CTX_STEP)
+        need = self._break_even.get(key)
+        if need is None:
+            need = self._break_even[key] = break_even_tokens(self.table, shape, width, batch,
+                                                             ctx // CTX_STEP * CTX_STEP)
+        return need
 
 
 def draft_ahead_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
@@ -375,5 +394,5 @@ def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: Draft
     return pool.tree(inp.root, m)
 
 
-__all__ = ["HOLD_ROUNDS", "MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Controller",
+__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Controller",
            "decide_every_depth_calibrated", "decide_how", "draft_ahead_tree", "draft_controlled_tree"]

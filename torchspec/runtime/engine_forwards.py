@@ -133,7 +133,8 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
     store_round(engine, index, out)
     committed = out.synced.tolist()  # the round's one host sync (the controller's plan: a padded last row)
     if engine.controller is not None:
-        engine.controller.after(costs, committed.pop() if out.plan is not None else None)
+        plan = committed.pop() if out.plan is not None else None
+        engine.controller.after(costs, plan, sum(committed[j][0] for j in position), len(rows))
     dt = time.perf_counter() - t0
     tally = engine.round_kinds.setdefault(label, [0, 0.0])  # the round's wall time, host sync included
     tally[0], tally[1] = tally[0] + 1, tally[1] + dt

@@ -66,7 +66,7 @@ AVERAGED = ("average", "held")  # the plans read from the averaged table (the de
 def plans_how() -> str:
     """How ahead mode plans (``TORCHSPEC_CONTROLLER_PLANS``): "average" (the default: served faster, module
     docstring), "held" (averaged; a repeated plan then runs undecided for a few rounds,
-    ``controlled_drafting.HOLD_ROUNDS``) or "last"."""
+    ``held_plans.HOLD_ROUNDS``) or "last"."""
     how = os.environ.get(PLANS_ENV, "average")
     if how not in PLANS:
         raise ValueError(f"{PLANS_ENV}={how!r} is not a way to plan: set it to one of {PLANS} ('average' is the "

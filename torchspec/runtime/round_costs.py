@@ -51,12 +51,8 @@ class RoundCosts:
         ``DENSE_WIDTHS`` the table did not measure cost ``UNMEASURED_MS``, so the policy picks every small
         width (a chain grows one node a depth) and otherwise the measured node counts: ahead mode's graphs
         are one per planned (depth, width), a few dozen at most)."""
-        k = 1 if spec.shape == "chain" else spec.topk
-        wide = table.depth_ms(batch, ctx)[table.widths.index(k)]  # [len(table.widths)] -> k's
+        depth_ms, verify_ms = host_costs(table, spec, batch, ctx)
         device = calibration.accepted.device
-        verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1]
-        depth_ms = torch.cat([_round_extra(table, batch, ctx, verify_ms)[None], wide.expand(spec.depth - 1)])
-        verify_ms = verify_ms + table.overhead_ms(batch)  # every round, plain or not, pays the host's time
         if measured_only:
             measured = torch.arange(verify_ms.shape[0]) <= DENSE_WIDTHS
             measured[[n for n in table.nodes if n < verify_ms.shape[0]]] = True
@@ -84,6 +80,25 @@ class RoundCosts:
         depth_ms = torch.stack(levels)
         return cls(host_to_device(depth_ms, depth_ms.dtype, device), host_to_device(verify_ms, verify_ms.dtype, device),
                    calibration, max_sampled_depth=spec.depth)
+
+
+def host_costs(table: CostTable, spec: SpecConfig, batch: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RoundCosts.lookup``'s two vectors on the host, every width as measured or interpolated: ``depth_ms``
+    [spec.depth] and ``verify_ms`` [nodes + 1], each verify time with the host's time a round."""
+    k = 1 if spec.shape == "chain" else spec.topk
+    wide = table.depth_ms(batch, ctx)[table.widths.index(k)]  # [len(table.widths)] -> k's
+    verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1]
+    depth_ms = torch.cat([_round_extra(table, batch, ctx, verify_ms)[None], wide.expand(spec.depth - 1)])
+    return depth_ms, verify_ms + table.overhead_ms(batch)  # every round, plain or not, pays the host's time
+
+
+def break_even_tokens(table: CostTable, shape: SpecConfig, width: int, batch: int, ctx: int) -> float:
+    """The tokens a row-round that a fixed round of ``shape`` (its depth drafted, ``width`` nodes verified) must
+    commit to match plain decoding's one token a row-round at its cost: its modeled ms (``host_costs``: depth 0,
+    with the table's decision in it, and each later depth, plus the verify forward of ``width`` nodes) over a
+    plain step's."""
+    depth_ms, verify_ms = host_costs(table, shape, batch, ctx)
+    return float((depth_ms[: shape.depth].sum() + verify_ms[width]) / verify_ms[0])
 
 
 def _round_extra(table: CostTable, batch: int, ctx: int, verify_ms: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,56 @@
+"""Held plans (``TORCHSPEC_CONTROLLER_PLANS=held``): when the draft controller's plan settles, run it undecided.
+
+A deciding round that plans the very (depth, width) it ran starts a hold: up to ``HOLD_ROUNDS - 1`` rounds run
+that plan as its fixed shape (no scores, decision or calibration evidence: the fixed shape's cost), and the
+round after them decides again (``controlled_drafting.Controller``).
+
+A hold lasts only while the plan pays. Every round's committed tokens reach the host in the round's one sync
+anyway, so the hold keeps the tokens a row-round its plan has committed -- the deciding round that started it
+and each held round since -- and ends as soon as they fall below the plan's break-even
+(``round_costs.break_even_tokens``: its modeled round time over a plain step's, from the cost table). The next
+round then decides, as every round does without holds. Without that release a middling drafter's marginal
+plan (d1w1 at 1.2 tokens a row-round, where it breaks even at 1.3) ran held for seven rounds in eight that
+the deciding controller mostly gave to plain steps (H100, thirtieth session: x0.88 against x0.92 at c = 64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HOLD_ROUNDS = 8  # a hold runs at most HOLD_ROUNDS - 1 rounds undecided; the next decides
+
+
+@dataclass
+class Hold:
+    """One hold's state: ``left`` rounds it may still run undecided, the tokens a row-round it must commit
+    (``need``) and what its rounds committed so far (``tokens`` over ``rows`` live row-rounds)."""
+
+    left: int = 0
+    need: float = 0.0
+    tokens: int = 0
+    rows: int = 0
+
+    def start(self, need: float, tokens: int, rows: int) -> None:
+        """The deciding round that ran the plan planned it again, committing ``tokens`` over ``rows`` live rows:
+        hold it unless those already fall short of ``need``."""
+        self.need, self.tokens, self.rows = need, tokens, rows
+        self.left = HOLD_ROUNDS - 1 if self.pays() else 0
+
+    def take(self) -> bool:
+        """Whether this round runs held (and, if so, one round fewer is left)."""
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+    def observe(self, tokens: int, rows: int) -> None:
+        """A held round committed ``tokens`` over ``rows`` live rows: the hold ends once the plan stops paying."""
+        self.tokens, self.rows = self.tokens + tokens, self.rows + rows
+        if not self.pays():
+            self.left = 0
+
+    def stop(self) -> None:
+        self.left = 0
+
+    def pays(self) -> bool:
+        return self.rows > 0 and self.tokens >= self.need * self.rows
