@@ -320,3 +320,27 @@ def test_held_plans_run_as_captured_graphs_and_keep_greedy_output(pair, tiny_tok
     held = sum(n for kind, (n, _) in engine.round_kinds.items() if kind.startswith("held"))
     assert held > 0, engine.round_kinds
     assert not engine.graphs.failed and engine.free_pages == engine.total_pages
+
+
+@pytest.mark.parametrize("scale", [5.0, 40.0])
+def test_held_plans_after_a_wider_batch_as_a_chain_keep_greedy_output(pair, tiny_tokenizer, scale, monkeypatch):
+    """The bench's order on one engine (thirtieth session: an illegal memory access on an H100 in the held run at
+    c = 8 after c = 64 with a middling drafter, not at c = 8 alone): at a wide batch the controller drafts chains
+    (``chain_from_batch``), then at a narrower one trees, each batch running the averaged plans, the chain and held
+    plans in turn on CUDA graphs. Every run must equal plain decoding and return every page."""
+    engine = engine_of(pair, cuda_graphs=True)
+    engine.runner.model.lm_head.weight.data.mul_(scale)  # x5: a middling drafter; x40: a confident one
+    ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "the cat sat", "alpha", "one")]
+    spec = SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12)
+    chain = SpecConfig(shape="chain", depth=4)
+    costs = linear_table(engine, 0.02, 0.01, widths=[1, 3], nodes=[0, 1, 2, 4, 8, 12])
+    for concurrency in (4, 2):
+        plain = [r.token_ids for r in engine.generate(ps * 2, max_new_tokens=48, ignore_eos=True,
+                                                      concurrency=concurrency)]
+        for bound, plans in ((spec, "average"), (chain, "average"), (spec, "held")):
+            monkeypatch.setenv(PLANS_ENV, plans)
+            out = engine.generate(ps * 2, max_new_tokens=48, spec=bound, ignore_eos=True, controller=costs,
+                                  concurrency=concurrency, chain_from_batch=4 if bound is spec else None)
+            torch.cuda.synchronize()
+            assert [r.token_ids for r in out] == plain, (concurrency, bound.shape, plans)
+    assert not engine.graphs.failed and engine.free_pages == engine.total_pages
