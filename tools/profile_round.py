@@ -218,7 +218,7 @@ def controller_phases(engine, args, inp, params) -> dict:
     costs = RoundCosts(torch.full((args.depth,), 0.1, device=dev),
                        1 + 0.01 * torch.arange(args.num_nodes + 1.0, device=dev), cal, plan=(args.depth, args.num_nodes))
     if plans_how() in AVERAGED:  # the runtime's default: plans from the averaged table, folded by the kernel
-        costs.averages = cal.averages_for(spec.shape, args.depth, args.num_nodes + 1)
+        costs.averages_key = (spec.shape, args.depth, args.num_nodes + 1)
     draft_ahead_tree(engine.runner, engine.caches.drafter, inp, spec, costs)
     pending = cal.pending.clone()
     accepted = torch.full((b,), 2, dtype=torch.long, device=dev)

@@ -344,3 +344,26 @@ def test_held_plans_after_a_wider_batch_as_a_chain_keep_greedy_output(pair, tiny
             torch.cuda.synchronize()
             assert [r.token_ids for r in out] == plain, (concurrency, bound.shape, plans)
     assert not engine.graphs.failed and engine.free_pages == engine.total_pages
+
+
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_graphed_rounds_plan_as_eager_rounds_do(pair, tiny_tokenizer, shape, monkeypatch):
+    """With averaged plans, rounds replayed from CUDA graphs fold into the calibration's one table per shape and
+    plan exactly as eager rounds on the same GPU do: the same plans round by round, the same table at the end
+    (thirtieth session: each graph had folded its own copy of the table, so graphed rounds planned from a table
+    of their own plan's rounds alone and the calibration's table stayed unrated)."""
+    monkeypatch.setenv(PLANS_ENV, "average")
+    ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "the cat sat", "alpha", "one")]
+    spec = SpecConfig(shape=shape, depth=4, topk=3, num_nodes=12)
+    runs = {}
+    for graphs in (False, True):
+        engine = engine_of(pair, cuda_graphs=graphs)
+        engine.runner.model.lm_head.weight.data.mul_(5.0)  # plans that move between shapes
+        costs = linear_table(engine, 0.02, 0.01, widths=[1, 3], nodes=[0, 1, 2, 4, 8, 12])
+        out = engine.generate(ps, max_new_tokens=48, spec=spec, ignore_eos=True, controller=costs, concurrency=4)
+        tables = {k: t.tolist() for k, t in engine.controller.calibration._averages.items()}
+        runs[graphs] = [r.token_ids for r in out], list(engine.controller.trace), tables
+    assert runs[True][0] == runs[False][0]
+    assert len(set(runs[False][1])) > 2, runs[False][1]  # positive control: the plans moved
+    assert runs[True][1] == runs[False][1]
+    assert runs[True][2] == runs[False][2] and any(v >= 0 for t in runs[True][2].values() for r in t for v in r)

@@ -328,3 +328,24 @@ def test_round_shapes_hold_every_round_the_controller_plans(engine, spec, chain_
                 assert (shape, costs.flush) in sampled_family
     within = Controller(ctl.table, spec, ctl.calibration, chain_from_batch, mode="within")
     assert within.round_shapes(greedy, 3, 40) == []  # "within" runs without graphs
+
+
+def test_every_round_and_graph_of_a_shape_folds_the_one_averaged_table(confident, monkeypatch):
+    """The averaged plan table is the calibration's, one per drafted shape: every round's costs reach it, at any
+    context or plan, and so does a CUDA graph's static copy of those costs (``graphs._clone_tree`` copies tensor
+    fields; a table held as a field was copied per graph, each folding only the rounds of its own plan)."""
+    from torchspec.runtime.controlled_drafting import Controller
+    from torchspec.runtime.graphs import _clone_tree
+    from torchspec.runtime.plan_averages import PLANS_ENV
+
+    monkeypatch.setenv(PLANS_ENV, "average")
+    ctl = Controller(table(confident, depth=0.05, verify_per_node=0.02), SPECS[0], Calibration(torch.device("cpu")))
+    costs = [ctl._lookup(SPECS[0], 2, ctx, sampled=False) for ctx in (16, 100, 150)]
+    shared = ctl.calibration.averages_for(*costs[0].averages_key)
+    static = _clone_tree(costs[1])
+    assert static.depth_ms is not costs[1].depth_ms  # the graph's own copy of the costs ...
+    assert all(c.averages is shared for c in costs) and static.averages is shared  # ... folds the one table
+    shared.fill_(5)
+    assert static.averages.eq(5).all()
+    chain = ctl._lookup(ctl.chain, 2, 100, sampled=False)
+    assert chain.averages is not shared and chain.averages_key[0] == "chain"  # a table a drafted shape

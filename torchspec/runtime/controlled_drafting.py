@@ -155,8 +155,8 @@ class Controller:
                 RoundCosts.lookup_sampled(self.table, spec, batch, at, self.calibration) if sampled else
                 RoundCosts.lookup(self.table, spec, batch, at, self.calibration, measured_only=self.mode == "ahead"))
             if not sampled and self.averaged:  # one table a drafted shape, shared by every batch and ctx
-                kept.averages = self.calibration.averages_for(spec.shape, kept.depth_ms.shape[0],
-                                                              kept.verify_ms.shape[0])
+                kept.averages_key = (spec.shape, kept.depth_ms.shape[0], kept.verify_ms.shape[0])
+                self.calibration.averages_for(*kept.averages_key)  # made here, outside any capture
         return dataclasses.replace(kept, trace=self.trace)
 
     def plan(self, params, batch: int, ctx: int) -> tuple[SpecConfig, RoundCosts | None]:

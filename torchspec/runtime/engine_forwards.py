@@ -184,7 +184,7 @@ def round_args(engine, name: str, index, ctx, valid, bt, params, costs) -> dict:
 def round_key(name: str, batch: int, spec, kind: str, cols: int, costs) -> tuple:
     """A round's CUDA graph key: what its static shapes and captured addresses depend on."""
     return name, batch, spec, kind, cols, costs and (costs.plan, costs.flush, costs.calibration.serial,
-                                                     costs.averages is not None)  # plans averaged or the last's
+                                                     costs.averages_key is not None)  # plans averaged or the last's
 
 
 def capture_round_shapes(engine, params, kind: str, index, bt, longest: int) -> int:

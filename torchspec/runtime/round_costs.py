@@ -40,8 +40,16 @@ class RoundCosts:
     trace: list[tuple[int, int]] = field(default_factory=list)
     max_sampled_depth: int = 0  # sampled rounds: the deepest they may grow (spec's depth)
     plan: tuple[int, int] | None = None  # ahead mode: this greedy round's (depths drafted, width verified)
-    averages: torch.Tensor | None = None  # ahead mode: the averaged plan table the round folds into (plan_averages)
+    averages_key: tuple[str, int, int] | None = None  # ahead mode: which averaged plan table the round folds into
     flush: bool = False  # the first round drafting after plain rounds: it catches the drafter up on them first
+
+    @property
+    def averages(self) -> torch.Tensor | None:
+        """The averaged plan table the round folds into and plans from (``plan_averages``), reached through the
+        calibration (``Calibration.averages_for``), so every round and every CUDA graph of a shape reads and
+        writes the one table: a graph's static inputs are copies of its tensor fields (``graphs.py``), and a
+        table held here as a field was copied per graph, each folding only the rounds of its own plan."""
+        return None if self.averages_key is None else self.calibration.averages_for(*self.averages_key)
 
     @classmethod
     def lookup(cls, table: CostTable, spec: SpecConfig, batch: int, ctx: int, calibration: Calibration,
