@@ -7,9 +7,14 @@ and ``--ctx``: a plain round ``verify_ms[0] + overhead_ms``; a speculating round
 (depth 0 and the round's fixed work) + a drafter depth per later depth (at its frontier width, linear between
 the measured widths) + ``verify_ms[nodes] + overhead_ms``. The modeled speedup is tokens per modeled ms against
 plain decoding's. ``--overhead`` sets the table's host time a round (``b=ms,...``; the table's own by default).
-Acceptance comes from this machine's forward (fp32 on the CPU, which may differ from bf16 on the GPU), and the
-model leaves out what the table does not hold (the controller's deciding kernels are in ``round_ms``, so fixed
-shapes are priced a little high). A planning aid, not a measurement.
+Acceptance comes from this machine's forward (fp32 on the CPU, which may differ from bf16 on the GPU). The
+controller's deciding kernels are in ``round_ms``: ``--decide-ms`` is what a deciding round pays that a fixed
+shape does not, taken off every fixed shape's round and every held round (``--plans held``; 0 by default, which
+prices fixed shapes and holds a little high). At ``chain_from_batch`` rows or more the controller drafts chains,
+priced at width 1. A planning aid, not a measurement.
+
+``--plans`` replays the controller once per way of planning (``plan_averages.PLANS``): "average" is the row
+``controller``, any other ``controller (<plans>)``.
 
 The controller's row also holds ``calibration_by_depth``: at each draft depth, the verified nodes' expected
 tokens as the calibration read them, as the drafter's own path probabilities gave them, and the tokens
@@ -37,7 +42,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_controller import bench_prompts, parse_tree  # noqa: E402
+from bench_controller import bench_prompts, parse_tree, plans_env  # noqa: E402
 
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
@@ -45,6 +50,7 @@ from torchspec.runtime.calibration import ALPHAS  # noqa: E402
 from torchspec.runtime.controller_policy import SCALE_ONE, rank_buckets  # noqa: E402
 from torchspec.runtime.cost_table import CostTable, cost_key  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig, pool_steps  # noqa: E402
+from torchspec.runtime.plan_averages import PLANS  # noqa: E402
 
 PLAIN = (0, 0)
 
@@ -67,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=320, help="the context the rounds are priced at")
     p.add_argument("--chains", default="1,2,3")
     p.add_argument("--trees", default="3x4x8,4x4x16,5x8x32", help="fixed trees; the last bounds the controller")
+    p.add_argument("--plans", default="average", help=f"ways of planning, comma-separated, of {PLANS}")
+    p.add_argument("--decide-ms", type=float, default=0.0,
+                   help="what a deciding round pays that a fixed shape's does not (ms; thirtieth session, H100: "
+                        "~0.11 at batch 64): off fixed shapes' and held rounds' prices")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--cache-dir", default="~/.cache/torchspec")
@@ -95,8 +105,9 @@ def load_table(args, engine) -> CostTable:
 class Pricer:
     """A round's modeled ms at one batch and context (module docstring)."""
 
-    def __init__(self, table: CostTable, batch: int, ctx: int):
+    def __init__(self, table: CostTable, batch: int, ctx: int, decide_ms: float = 0.0):
         self.verify = table.verify_ms(batch, ctx).tolist()
+        self.decide = decide_ms
         self.widths, self.depth = table.widths, table.depth_ms(batch, ctx).tolist()
         self.extra = float(table.round_ms(batch, ctx)) - self.verify[0]
         self.host = table.overhead_ms(batch)
@@ -114,23 +125,31 @@ class Pricer:
     def plain(self) -> float:
         return self.verify[0] + self.host
 
-    def round(self, depths: int, k: int, nodes: int) -> float:
+    def round(self, depths: int, k: int, nodes: int, decided: bool = True) -> float:
+        """A round drafting ``depths`` depths ``k`` wide and verifying ``nodes``; a fixed shape's or a held
+        round (``decided=False``) without the decision (``--decide-ms``)."""
         if (depths, nodes) == PLAIN:
             return self.plain()
-        return self.extra + max(0, depths - 1) * self.depth_ms(k) + self.verify[nodes] + self.host
+        decide = 0.0 if decided else self.decide
+        return self.extra - decide + max(0, depths - 1) * self.depth_ms(k) + self.verify[nodes] + self.host
 
 
 def replay(args) -> dict:
     for flag, v in (("--num-prompts", args.num_prompts), ("--concurrency", args.concurrency),
                     ("--max-new-tokens", args.max_new_tokens), ("--prompt-len", args.prompt_len)):
         check_at_least(flag, v, 1)
+    for plans in args.plans.split(","):
+        if plans not in PLANS:
+            raise ValueError(f"--plans entry {plans!r} is not a way to plan; use some of {PLANS}.")
+    if args.decide_ms < 0:
+        raise ValueError(f"--decide-ms {args.decide_ms} must be >= 0 (ms a deciding round pays beyond a fixed one).")
     chains = [SpecConfig(shape="chain", depth=int(d)) for d in args.chains.split(",") if d]
     trees = [parse_tree(t) for t in args.trees.split(",")]
     if not pathlib.Path(args.costs).is_file():
         raise ValueError(f"--costs {args.costs} does not exist; give a torchspec-profile table.")
     engine = build(args)
     table = load_table(args, engine)
-    price = Pricer(table, args.concurrency, args.ctx)
+    price = Pricer(table, args.concurrency, args.ctx, args.decide_ms)
     prompts = bench_prompts(args, engine, args.num_prompts, torch.Generator().manual_seed(args.seed))
 
     def run(**kw):
@@ -145,18 +164,10 @@ def replay(args) -> dict:
             raise AssertionError(f"{spec}: greedy output differs from plain decoding")
         k, n = (1, spec.depth) if spec.shape == "chain" else (spec.topk, spec.num_nodes)
         a = sum(acc) / len(acc)
-        rows.append({"mode": label(spec), "acceptance": a, "speedup": a * price.plain() / price.round(spec.depth, k, n)})
-    with DepthEvidence(trees[-1].topk) as by_depth:
-        tokens, acc = run(spec=trees[-1], controller=table)
-    if tokens != plain:
-        raise AssertionError("the controller's greedy output differs from plain decoding")
-    trace = engine.controller.trace
-    cost = sum(price.round(d, trees[-1].topk, w) for d, w in trace)
-    a = sum(acc) / len(acc)  # committed tokens a row-round; the trace has one entry a batched round
-    rows.append({"mode": "controller", "acceptance": a,
-                 "speedup": (sum(acc) / cost) / (args.concurrency / price.plain()) if len(trace) else 0.0,
-                 "plans": [[d, w, n] for (d, w), n in collections.Counter(trace).most_common()],
-                 "calibration_by_depth": by_depth.rows(), "calibration_at_end": calibration_state(engine)})
+        rows.append({"mode": label(spec), "acceptance": a,
+                     "speedup": a * price.plain() / price.round(spec.depth, k, n, decided=False)})
+    for plans in args.plans.split(","):
+        rows.append(replay_plans(engine, args, trees[-1], plans, price, run, plain))
     out = {"args": vars(args), "device": str(engine.device), "plain_round_ms": price.plain(),
            "host_ms": price.host, "rows": rows}
     for r in rows:
@@ -173,6 +184,27 @@ def replay(args) -> dict:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out, json.dumps(out, indent=1))
     return out
+
+
+def replay_plans(engine, args, bound: SpecConfig, plans: str, price: Pricer, run, plain: list) -> dict:
+    """The controller within ``bound`` planning as ``plans`` says, from a fresh calibration (a table object of its
+    own): its row, each round priced (held rounds without the decision; chains at width 1)."""
+    table = load_table(args, engine)
+    engine.round_kinds.clear()
+    with plans_env(plans), DepthEvidence(bound.topk) as by_depth:
+        tokens, acc = run(spec=bound, controller=table)
+    if tokens != plain:
+        raise AssertionError(f"the controller's greedy output ({plans} plans) differs from plain decoding")
+    ctl = engine.controller
+    k = 1 if ctl._base(args.concurrency).shape == "chain" else bound.topk
+    held = sum(n for kind, (n, _) in engine.round_kinds.items() if kind.startswith("held"))
+    cost = sum(price.round(d, k, w) for d, w in ctl.trace) - held * price.decide
+    a = sum(acc) / len(acc)  # committed tokens a row-round; the trace has one entry a batched round
+    return {"mode": "controller" if plans == "average" else f"controller ({plans})", "plans_how": plans,
+            "acceptance": a, "held_rounds": held, "drafts": "chain" if k == 1 else "tree",
+            "speedup": (sum(acc) / cost) / (args.concurrency / price.plain()) if len(ctl.trace) else 0.0,
+            "plans": [[d, w, n] for (d, w), n in collections.Counter(ctl.trace).most_common()],
+            "calibration_by_depth": by_depth.rows(), "calibration_at_end": calibration_state(engine)}
 
 
 class DepthEvidence:

@@ -41,6 +41,24 @@ def test_pricing_follows_the_table(tool, setup):
     assert price.round(0, 4, 0) == price.plain()  # a plain round
     assert price.round(3, 4, 6) == pytest.approx(0.05 + 2 * 0.05 + 1.12 + 0.5, abs=1e-6)
     assert price.depth_ms(3) == pytest.approx(0.05, abs=1e-6)  # between measured widths 2 and 4
+    undecided = tool.Pricer(table, 2, 100, decide_ms=0.03)
+    assert undecided.round(3, 4, 6) == pytest.approx(price.round(3, 4, 6))  # a deciding round pays it all
+    assert undecided.round(3, 4, 6, decided=False) == pytest.approx(price.round(3, 4, 6) - 0.03)  # fixed or held
+    assert undecided.round(0, 4, 0, decided=False) == price.plain()  # a plain round decides nothing either way
+
+
+def test_each_way_of_planning_is_a_row_and_held_rounds_skip_the_decision(tool, setup):
+    """``--plans average,held``: a controller row each, from its own calibration; the held row counts its held
+    rounds and prices them ``--decide-ms`` lower, as it prices the fixed shapes."""
+    args = ["--shape", "tiny", "--noise", "0.0", "--costs", str(setup[3]), "--num-prompts", "2", "--prompt-len", "16",
+            "--max-new-tokens", "24", "--chains", "1", "--trees", "2x2x4", "--plans", "average,held"]
+    rows = {r["mode"]: r for r in tool.main([*args, "--decide-ms", "0.1"])["rows"]}
+    assert list(rows) == ["chain1", "tree2x2x4", "controller", "controller (held)"]
+    assert rows["controller"]["held_rounds"] == 0 and rows["controller (held)"]["held_rounds"] > 0
+    free = {r["mode"]: r for r in tool.main([*args, "--decide-ms", "0"])["rows"]}
+    for mode in ("tree2x2x4", "controller (held)"):  # the same runs, cheaper by the decision they skip
+        assert rows[mode]["acceptance"] == free[mode]["acceptance"] and rows[mode]["speedup"] > free[mode]["speedup"]
+    assert rows["controller"]["speedup"] == pytest.approx(free["controller"]["speedup"])  # every round decided
 
 
 def test_rows_and_outputs(tool, setup, tmp_path):
@@ -75,7 +93,9 @@ def test_the_controlled_pair_replays_without_a_target(tool, setup, tmp_path):
 @pytest.mark.parametrize("change, text", [(["--overhead", "1=0.3"], "lacks the table's batches"),
                                           (["--overhead", "1:0.3"], "BATCH=MS"),
                                           (["--trees", "3x2"], "--trees entry"),
-                                          (["--shape", "tiny"], "not both or neither")])
+                                          (["--shape", "tiny"], "not both or neither"),
+                                          (["--plans", "average,avg"], "--plans entry 'avg'"),
+                                          (["--decide-ms", "-1"], "--decide-ms -1.0 must be >= 0")])
 def test_bad_input_is_one_line(tool, setup, capsys, change, text):
     root, target, drafter, costs = setup
     with pytest.raises(SystemExit) as err:
