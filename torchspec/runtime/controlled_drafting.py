@@ -38,11 +38,11 @@ them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the roun
 host (one sync a depth), without CUDA graphs. Device-chained per-depth graphs are not built.
 
 **Held plans** (``TORCHSPEC_CONTROLLER_PLANS=held``: averaged plans, and holds): when a deciding round plans
-the very (depth, width) it ran, the next ``held_plans.HOLD_ROUNDS - 1`` rounds run that plan as the fixed shape (a chain's
-scoreless walk of ``width`` nodes, or the tree of ``depth`` keeping its ``width`` best), with no scores,
-decision or calibration evidence, and the round after them decides again; a plan that changes, or width 0,
-holds nothing, and a hold ends early once its rounds' committed tokens stop paying for the plan against a plain
-step (``held_plans.py``). A controlled chain round cost 2.7% more than the fixed chain of its shape at batch 64
+the very (depth, width) it ran, the next ``held_plans.HOLD_ROUNDS - 1`` rounds run that plan as the fixed
+shape (a chain's scoreless walk of ``width`` nodes, or the tree of ``depth`` keeping its ``width`` best), with
+no scores, decision or calibration evidence, and the round after them decides again; a plan that changes, or
+width 0, holds nothing, and a hold ends early once its rounds' committed tokens stop paying for the plan against
+a plain step (``held_plans.py``). A controlled chain round cost 2.7% more than the fixed chain of its shape at batch 64
 (H100, twenty-eighth session): where the averaged plan settles, most rounds need not pay that.
 
 **Calibration** (``calibration.py``) scales the drafter's confidence by how far it has been borne out,
