@@ -81,10 +81,13 @@ def catch_up_pending(runner, caches, inp, slots: torch.Tensor):
     """``inp`` (``drafting.DraftInputs``) with the drafter caught up on every row's deferred positions: their step-0
     entries written at ctx - count .. ctx - 1 in one forward and the drafter state at the last of them; rows with
     nothing deferred keep theirs. Padding beyond a row's count writes uncommitted positions only (>= ctx), as a
-    prefill chunk's padding does."""
+    prefill chunk's padding does. An invalid row catches up on nothing and keeps its count: the engine captures a
+    controller's rounds on idle rows at context 0 (``engine_forwards.capture_round_shapes``), where ctx - count
+    would be a negative position, read from the block table at a negative column."""
     from torchspec.runtime.steps import catch_up_drafter
 
     tokens, aux, count = caches.pending.take(slots, inp.row_valid)
+    count = torch.where(inp.row_valid, count, 0)  # an idle row catches up on nothing (its ctx may be 0: a capture)
     start = inp.ctx_len - count
     normed, feedback = catch_up_drafter(runner, caches, inp.block_table, start, tokens, aux, (count - 1).clamp(min=0),
                                         inp.row_valid)
