@@ -246,38 +246,3 @@ def test_width_0_streaks_run_plain_rounds_and_catch_the_drafter_up_at_the_probe(
         for row in pages:
             engine.allocator.free(row)
 
-
-def test_an_idle_catch_up_at_context_0_with_entries_pending_changes_nothing(engine):
-    """What a CUDA-graph capture runs (``engine_forwards.capture_round_shapes``: every row invalid, context 0) while
-    rows hold deferred entries: the catch-up reads no position below 0 (it indexed the block table at column -1,
-    an out-of-bounds read on the GPU), writes only the trash page, keeps the counts and the drafter state."""
-    from torchspec.runtime.drafting import DraftInputs
-    from torchspec.runtime.paged_kv import TRASH_PAGE
-    from torchspec.runtime.pending_drafter import catch_up_pending
-
-    pages = [engine.allocator.alloc(engine.pages_per_row) for _ in range(2)]
-    slots = torch.tensor([0, 1])
-    try:
-        for i, row in enumerate(pages):
-            engine.block_table[i] = torch.tensor(row)
-        engine.caches.pending.reset(slots)
-        engine.caches.pending.count[:2] = torch.tensor([3, 1])  # deferred entries wait for the next drafting round
-        caches = [engine.caches.drafter.k, engine.caches.drafter.v]
-        before = [t.clone() for t in caches]
-        normed, feedback = torch.randn(2, engine.normed.shape[1]), torch.randn(2, engine.normed.shape[1])
-        idle = DraftInputs(root=torch.zeros(2, dtype=torch.long), normed=normed, feedback=feedback,
-                           ctx_len=torch.zeros(2, dtype=torch.long), block_table=engine.block_table[:2],
-                           row_valid=torch.zeros(2, dtype=torch.bool))
-        out = catch_up_pending(engine.runner, engine.caches, idle, slots)
-        assert engine.caches.pending.count[:2].tolist() == [3, 1]
-        assert torch.equal(out.normed, normed) and torch.equal(out.feedback, feedback)
-        trash = torch.arange(TRASH_PAGE * engine.page_size, (TRASH_PAGE + 1) * engine.page_size)
-        for got, was in zip(caches, before):
-            got, was = got.clone(), was.clone()
-            got[:, trash], was[:, trash] = 0, 0
-            assert torch.equal(got, was)
-    finally:
-        engine.caches.pending.reset(slots)
-        engine.block_table[:2] = TRASH_PAGE
-        for row in pages:
-            engine.allocator.free(row)
