@@ -52,6 +52,15 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
     return build_tiny_target(str(out), flavour="llama", vocab_size=384, tokenizer=tiny_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def controller_pair(tmp_path_factory, tiny_tokenizer):
+    """The tiny target and its drafter that the draft controller's CPU tests serve (seeded: every module built the
+    same pair; each module loads its own engines from it, ``tests/controller_cases.cpu_engine``)."""
+    from tests.runtime_pair import build_pair
+
+    return build_pair(tmp_path_factory.mktemp("controller_pair"), tiny_tokenizer)
+
+
 def make_conversations(n: int, seed: int = 0) -> list[dict]:
     """Synthetic chats with learnable structure: the assistant echoes and counts."""
     rng = random.Random(seed)

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from tests.controller_cases import NODES, SPECS, cpu_engine, prompts, run, table
-from tests.runtime_pair import build_pair
 from torchspec.runtime.calibration import ALPHAS, Calibration
 from torchspec.runtime.controlled_drafting import MODES
 from torchspec.runtime.cost_table import CostTable
@@ -23,28 +22,23 @@ from torchspec.runtime.drafting import SpecConfig
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, tiny_tokenizer):
-    return build_pair(tmp_path_factory.mktemp("controlled"), tiny_tokenizer)
+def engine(controller_pair):
+    return cpu_engine(controller_pair)
 
 
 @pytest.fixture(scope="module")
-def engine(pair):
-    return cpu_engine(pair)
-
-
-@pytest.fixture(scope="module")
-def confident(pair):
+def confident(controller_pair):
     """The same drafter with its head's logits scaled x40: the same argmax (the same accepted drafts), but
     confident -- the tiny pair's own distributions are near-flat (top probability ~0.004), which no
     cost table makes worth a second depth."""
-    return cpu_engine(pair, confident=True)
+    return cpu_engine(controller_pair, confident=True)
 
 
 @pytest.fixture(scope="module")
-def confidently_wrong(pair):
+def confidently_wrong(controller_pair):
     """Confident (head x40) and wrong: eh_proj scrambled, so the drafter no longer reads the token it
     must continue -- what an untrained drafter whose head is the target's looks like."""
-    engine = cpu_engine(pair, confident=True)
+    engine = cpu_engine(controller_pair, confident=True)
     w = engine.runner.model.eh_proj.weight
     w.data.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(7)) * 3 / w.shape[1] ** 0.5)
     return engine

@@ -14,7 +14,6 @@ import torch
 import torchspec.runtime.controlled_drafting as controlled_drafting
 from tests.controller_cases import NODES, SPECS, cpu_engine
 from tests.cost_tables import linear_table
-from tests.runtime_pair import build_pair
 from torchspec.runtime.calibration import Calibration
 from torchspec.runtime.controlled_drafting import PLAIN_ROUND, Controller
 from torchspec.runtime.drafting import SpecConfig
@@ -27,14 +26,9 @@ GREEDY = SamplingParams()
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, tiny_tokenizer):
-    return build_pair(tmp_path_factory.mktemp("holds"), tiny_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def confident(pair):
+def confident(controller_pair):
     """The tiny pair's drafter with its head's logits x40: the same drafts, confident enough to be verified."""
-    return cpu_engine(pair, confident=True)
+    return cpu_engine(controller_pair, confident=True)
 
 
 def controller(engine, spec: SpecConfig, monkeypatch, plans: str = "held") -> Controller:

@@ -13,19 +13,13 @@ import pytest
 import torch
 
 from tests.controller_cases import SPECS, cpu_engine, prompts, run, table
-from tests.runtime_pair import build_pair
 from torchspec.runtime.calibration import Calibration
 from torchspec.runtime.drafting import SpecConfig
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, tiny_tokenizer):
-    return build_pair(tmp_path_factory.mktemp("probes"), tiny_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def engine(pair):
-    return cpu_engine(pair)
+def engine(controller_pair):
+    return cpu_engine(controller_pair)
 
 
 @pytest.fixture(scope="module")

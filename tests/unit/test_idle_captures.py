@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from tests.controller_cases import cpu_engine, table
-from tests.runtime_pair import build_pair
 from torchspec.runtime.drafting import DraftInputs, SpecConfig
 from torchspec.runtime.engine_forwards import round_args, round_step
 from torchspec.runtime.paged_kv import TRASH_PAGE
@@ -24,13 +23,8 @@ SPECS = [SpecConfig(shape="tree", depth=4, topk=3, num_nodes=12), SpecConfig(sha
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, tiny_tokenizer):
-    return build_pair(tmp_path_factory.mktemp("idle"), tiny_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def engine(pair):
-    return cpu_engine(pair)
+def engine(controller_pair):
+    return cpu_engine(controller_pair)
 
 
 @pytest.fixture
