@@ -8,13 +8,13 @@ from torchspec.runtime.cost_table import CostTable, cost_key
 
 
 def linear_table(engine, depth: float, verify_per_node: float, *, widths: list[int], nodes: list[int],
-                 noise: float = 0.0, seed: int = 0) -> CostTable:
+                 noise: float = 0.0, seed: int = 0, batches: tuple[int, ...] = (1, 4, 512)) -> CostTable:
     """A depth costs ``depth`` ms (a round's depth 0 too: its whole width-0 round is a plain step and a depth), a
     plain step 1 ms and each verified node ``verify_per_node`` ms more, at every
-    batch (1, 4, 512) and context (16, 256); ``noise``: random multiplicative jitter (verify kept non-decreasing),
+    batch (``batches``) and context (16, 256); ``noise``: random multiplicative jitter (verify kept non-decreasing),
     so decisions vary from cell to cell."""
     g = torch.Generator().manual_seed(seed)
-    batches, contexts = [1, 4, 512], [16, 256]
+    batches, contexts = list(batches), [16, 256]
 
     def jitter(*shape: int) -> torch.Tensor:
         return 1 + noise * torch.rand(*shape, generator=g, dtype=torch.float64)

@@ -140,8 +140,28 @@ def check_args(args) -> dict:
         check_at_least("--chain-from-batch", args.chain_from_batch, 1)
     if args.costs and not pathlib.Path(args.costs).is_file():
         raise ValueError(f"--costs {args.costs} does not exist; run torchspec-profile first or leave --costs out.")
+    if args.costs:
+        check_costs_cover(args.costs, levels)
     return {"shapes": chains + trees, "levels": levels, "controlled": controlled,
             "noise": [] if args.target else csv_values("--noise", args.noise)}
+
+
+def check_costs_cover(path: str, levels: list[int]) -> None:
+    """A ``--costs`` table must have measured every ``--concurrency``: a level between or below its batches is
+    priced from other batches' costs (``cost_table``'s lookups), and the controller's row would then measure
+    that pricing, not the controller (a table of batches 8 and 64 priced c = 1's 32-node verify 37% dear on an
+    H200 and the controller verified 16 nodes in a third of its rounds: docs/results.md, thirty-first session).
+    A file that does not parse is left to ``CostTable.load``, which names what is wrong with it."""
+    try:
+        batches = json.loads(pathlib.Path(path).read_text()).get("batches")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(batches, list):
+        missing = [c for c in levels if c not in batches]
+        if missing:
+            raise ValueError(f"--costs {path} measured batches {batches}, not --concurrency {missing}; profile them "
+                             f"(torchspec-profile --batches {','.join(map(str, sorted({*batches, *missing})))}) or "
+                             f"leave --costs out to measure this run's.")
 
 
 def engines(args, checked: dict, max_batch: int, max_context: int):

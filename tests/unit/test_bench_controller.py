@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import pytest
 
@@ -30,7 +31,7 @@ def result(tool, tmp_path_factory):
     args = tool.build_parser().parse_args([*ARGS, "--noise", "0.0", "--out", str(root / "unused.json")])
     _, engine = next(tool.engines(args, tool.check_args(args), 2, 64))
     costs = root / "costs.json"
-    linear_table(engine, 0.02, 0.1, widths=[1, 2], nodes=list(range(5))).save(costs)
+    linear_table(engine, 0.02, 0.1, widths=[1, 2], nodes=list(range(5)), batches=(1, 2, 4, 512)).save(costs)
     out = root / "controller.json"
     tool.main([*ARGS, "--noise", "0.0,untrained", "--costs", str(costs), "--out", str(out)])
     return json.loads(out.read_text()), out
@@ -160,7 +161,7 @@ def test_the_controller_rows_draft_chains_from_the_given_batch(tool, tmp_path, a
     args = tool.build_parser().parse_args([*ARGS, "--noise", "0.0", "--out", str(tmp_path / "unused.json")])
     _, engine = next(tool.engines(args, tool.check_args(args), 2, 64))
     costs = tmp_path / "costs.json"
-    linear_table(engine, 0.02, 0.1, widths=[1, 2], nodes=list(range(5))).save(costs)
+    linear_table(engine, 0.02, 0.1, widths=[1, 2], nodes=list(range(5)), batches=(1, 2, 4, 512)).save(costs)
     out = tmp_path / "ruled.json"
     tool.main([*ARGS, "--noise", "0.0", "--costs", str(costs), "--chain-from-batch", "2", "--also-plans", also,
                "--requests-per-slot", "2",
@@ -181,3 +182,18 @@ def test_the_controller_rows_draft_chains_from_the_given_batch(tool, tmp_path, a
     assert all(w <= 3 for _, w, _ in rows[2]["decisions"])
     data = json.loads(out.read_text())
     assert "chain_from_batch" not in data and "rule was in effect" in data["chain_from_batch_note"]
+
+
+def test_a_table_that_did_not_measure_a_concurrency_is_refused(tool, result, tmp_path, capsys):
+    """A ``--costs`` table without one of the ``--concurrency`` levels among its batches would price that level's
+    rounds from another batch's costs (the thirty-first session's c = 1 row on an H200): refused before anything
+    runs, naming the file, the batches it has, those it lacks and the profile that fills them."""
+    data = json.loads(pathlib.Path(result[1]).with_name("costs.json").read_text())
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({**data, "batches": [2], "depth_ms": [[row[1]] for row in data["depth_ms"]]}))
+    with pytest.raises(SystemExit) as err:
+        tool.main([*ARGS, "--noise", "0.0", "--costs", str(partial), "--out", str(tmp_path / "x.json")])
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.value.code == 2 and str(partial) in message
+    assert "measured batches [2], not --concurrency [1]" in message and "--batches 1,2)" in message
+    assert not (tmp_path / "x.json").exists()

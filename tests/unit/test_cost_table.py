@@ -2,8 +2,8 @@
 
 The CLI profiles the tiny target/drafter pair of ``tests/runtime_pair.py`` on a small grid and must
 write a complete table keyed like the engine the runtime would load; a table of another setup is
-refused naming both keys; the lookups round batches up, interpolate nodes and contexts, clamp
-contexts; bad input exits 2 leaving an existing table as it was; profiling leaves an engine as it
+refused naming both keys; the lookups interpolate batches, nodes and contexts, clamp contexts and
+batches below the first (warned); bad input exits 2 leaving an existing table as it was; profiling leaves an engine as it
 found it. (CPU times mean nothing: only their presence and shape are checked.)
 """
 
@@ -95,21 +95,43 @@ def hand_table() -> CostTable:
                      verify=verify, round=whole, meta={"timing": "by hand"}, overhead=[0.125, 0.25, 0.5])
 
 
-def test_lookups_round_batches_up_interpolate_and_clamp_contexts():
+def test_lookups_interpolate_batches_nodes_and_contexts_and_clamp_contexts():
     table = hand_table()
     close = dict(rtol=0, atol=1e-5)
-    torch.testing.assert_close(table.depth_ms(3, 200), torch.tensor([2 + 4 + 0.1, 2 + 4 + 0.2]), **close)  # b 3 -> 4
+    torch.testing.assert_close(table.depth_ms(3, 200), torch.tensor([2 + 3 + 0.1, 2 + 3 + 0.2]), **close)  # b 3
     torch.testing.assert_close(table.depth_ms(4, 100), torch.tensor([1 + 4 + 0.1, 1 + 4 + 0.2]), **close)
     torch.testing.assert_close(table.depth_ms(1, 10), table.depth_ms(1, 100), **close)  # below: the first bucket
     torch.testing.assert_close(table.depth_ms(8, 5000), table.depth_ms(8, 300), **close)  # above: the last bucket
-    verify = table.verify_ms(5, 250)  # b 5 -> 8, ctx 250 -> 2.5
+    verify = table.verify_ms(5, 250)  # b 5, ctx 250 -> 2.5
     assert verify.dtype == torch.float32 and verify.shape == (7,)  # node counts 0..6
-    torch.testing.assert_close(verify, torch.tensor([2.5 + 8 + n for n in range(7)]), **close)
+    torch.testing.assert_close(verify, torch.tensor([2.5 + 5 + n for n in range(7)]), **close)
+    torch.testing.assert_close(table.round_ms(6, 300), torch.tensor(3 + 6 + 0.5), **close)
+    assert table.overhead_ms(6) == pytest.approx(0.25 + 0.5 * 0.25, abs=1e-9)  # halfway from b 4 to b 8
     for bad in (0, 9):
         with pytest.raises(ValueError, match=r"batch=\d+ is outside .*\[1, 4, 8\].*--batches"):
             table.depth_ms(bad, 100)
     with pytest.raises(ValueError, match="ctx=-1"):
         table.verify_ms(1, -1)
+
+
+def test_a_batch_below_the_first_measured_reads_as_the_first_and_is_warned_once(caplog):
+    """A table measured from batch 4 prices a lone row at batch 4's costs (not a guess below what was measured),
+    and says so once per table and batch, naming the fix."""
+    full = hand_table()
+    from4 = dataclasses.replace(full, key=dataclasses.replace(full.key, target="from4"), batches=[4, 8],
+                                depth=full.depth[:, 1:], verify=full.verify[:, 1:], round=full.round[:, 1:],
+                                overhead=full.overhead[1:])
+    with caplog.at_level("WARNING", logger="torchspec.runtime.cost_table"):
+        torch.testing.assert_close(from4.verify_ms(1, 100), full.verify_ms(4, 100), rtol=0, atol=1e-6)
+        torch.testing.assert_close(from4.depth_ms(2, 100), full.depth_ms(4, 100), rtol=0, atol=1e-6)
+        from4.round_ms(1, 300), from4.overhead_ms(1)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned  # batch 1 once, batch 2 once
+    assert "no batch 1" in warned[0] and "batch 4's costs" in warned[0] and "--batches from 1" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="torchspec.runtime.cost_table"):
+        full.verify_ms(1, 100), from4.verify_ms(4, 100)  # measured batches: nothing to say
+    assert not caplog.records
 
 
 def test_table_round_trips_and_bad_tables_are_refused(tmp_path):
@@ -121,11 +143,11 @@ def test_table_round_trips_and_bad_tables_are_refused(tmp_path):
                                                                           table.contexts)
     good = table.to_dict()
     torch.testing.assert_close(again.round, table.round, rtol=1e-3, atol=0)
-    torch.testing.assert_close(table.round_ms(5, 250), torch.tensor(2.5 + 8 + 0.5), rtol=0, atol=1e-5)
+    torch.testing.assert_close(table.round_ms(5, 250), torch.tensor(2.5 + 5 + 0.5), rtol=0, atol=1e-5)
     torch.testing.assert_close(again.overhead, table.overhead, rtol=1e-3, atol=1e-4)
     before = CostTable.from_dict({k: v for k, v in good.items() if k != "overhead_ms"})  # written before the column
     assert before.overhead.tolist() == [0.0] * 3 and before.overhead_ms(5) == 0.0
-    assert again.overhead_ms(3) == pytest.approx(0.25, abs=1e-4)  # b 3 -> 4
+    assert again.overhead_ms(3) == pytest.approx(0.125 + 2 / 3 * 0.125, abs=1e-4)  # b 3: between 1 and 4
     assert before.chain_from_batch is None and again.chain_from_batch is None  # no rule: the tree throughout
     ruled = CostTable.from_dict({**good, "chain_from_batch": 64})
     ruled.save(tmp_path / "ruled.json")

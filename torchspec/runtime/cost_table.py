@@ -46,10 +46,14 @@ concurrency from which the chain controller is at least as fast as the tree cont
 ``torchspec-profile --chain-from-batch N`` records it. The engine uses it unless ``configure`` is given one.
 
 **Lookups** for a round at (batch, ctx): ``depth_ms`` -> [len(widths)], ``verify_ms`` ->
-[N_max + 1] indexed by node count 0..N_max, ``round_ms`` -> a 0-d time. A batch is rounded UP to the next measured padded batch
-(a larger one is a ValueError); between context buckets and between measured node counts the times
-are interpolated linearly; a context outside the measured buckets is CLAMPED to the nearest one (a
-longer context than the last bucket reads as the last bucket: re-profile with a larger bucket for
+[N_max + 1] indexed by node count 0..N_max, ``round_ms`` -> a 0-d time. Between measured batches, context
+buckets and node counts the times are interpolated linearly. A batch above the last measured one is a
+ValueError; one below the first reads as the first, with a warning once per table and batch (a table
+measured at batches 8 and 64 prices a lone row's 32-node verify at batch 8's, 1.53 ms against 1.12 on an H200:
+the controller then verifies 16 nodes where 32 pay; re-profile with ``--batches`` from 1). (Until the
+thirty-first session a batch was rounded UP to the next measured one: with the default ``1,8,64``, serving
+16 rows priced every round as 64 rows'.) A context outside the measured buckets is CLAMPED to the nearest
+one (a longer context than the last bucket reads as the last bucket: re-profile with a larger bucket for
 long-context serving).
 """
 
@@ -58,6 +62,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import math
 import re
 from dataclasses import asdict, dataclass, fields
@@ -66,6 +71,8 @@ from pathlib import Path
 import torch
 
 from torchspec.io import atomic_write_bytes, atomic_write_text
+
+log = logging.getLogger(__name__)
 
 TABLE_VERSION = 2
 TABLE_KEYS = ("version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "round_ms", "meta")
@@ -160,28 +167,37 @@ class CostTable:
     def depth_ms(self, batch: int, ctx: int) -> torch.Tensor:
         """[len(widths)] fp32 ms of one draft depth at each frontier width, for ``batch`` rows of
         ``ctx`` committed tokens (rules: module docstring)."""
-        return _lerp(self.contexts, self.depth[:, self._batch_index(batch)], [self._context(ctx)])[0].float()
+        return self._at(self.depth, batch, ctx).float()
 
     def verify_ms(self, batch: int, ctx: int) -> torch.Tensor:
         """[N_max + 1] fp32 ms of the verify forward over n = 0..N_max drafted nodes a row (n = 0:
         a plain decode step), interpolated between the measured node counts."""
-        at_ctx = _lerp(self.contexts, self.verify[:, self._batch_index(batch)], [self._context(ctx)])[0]  # [N]
-        return _lerp(self.nodes, at_ctx, range(self.nodes[-1] + 1)).float()
+        return _lerp(self.nodes, self._at(self.verify, batch, ctx), range(self.nodes[-1] + 1)).float()
 
     def round_ms(self, batch: int, ctx: int) -> torch.Tensor:
         """0-d fp32 ms of a whole width-0 round (module docstring) for ``batch`` rows of ``ctx`` tokens."""
-        return _lerp(self.contexts, self.round[:, self._batch_index(batch)], [self._context(ctx)])[0].float()
+        return self._at(self.round, batch, ctx).float()
 
     def overhead_ms(self, batch: int) -> float:
-        """The host's time a decode round (module docstring) at ``batch`` rows (rounded up)."""
-        return float(self.overhead[self._batch_index(batch)])
+        """The host's time a decode round (module docstring) at ``batch`` rows (interpolated)."""
+        return float(_lerp(self.batches, self.overhead, [self._batch(batch)])[0])
 
-    def _batch_index(self, batch: int) -> int:
-        """The first measured padded batch >= ``batch``."""
+    def _at(self, times: torch.Tensor, batch: int, ctx: int) -> torch.Tensor:
+        """``times`` [C, B, ...] at (batch, ctx): interpolated over batches, then over contexts -> [...]."""
+        by_batch = _lerp(self.batches, times.transpose(0, 1), [self._batch(batch)])[0]  # [C, ...]
+        return _lerp(self.contexts, by_batch, [self._context(ctx)])[0]
+
+    def _batch(self, batch: int) -> float:
+        """``batch`` as a point on the measured batches: refused above the last, the first below it (warned)."""
         if batch < 1 or batch > self.batches[-1]:
             raise ValueError(f"batch={batch} is outside the cost table's padded batches {self.batches}; "
                              f"re-run torchspec-profile with --batches covering it.")
-        return next(i for i, b in enumerate(self.batches) if b >= batch)
+        if batch < self.batches[0] and (self.key, batch) not in _WARNED:
+            _WARNED.add((self.key, batch))
+            log.warning("cost table (%s) has no batch %d: its rounds are priced at batch %d's costs (its batches: %s); "
+                        "re-run torchspec-profile with --batches from %d.", self.key.device, batch, self.batches[0],
+                        self.batches, batch)
+        return float(max(batch, self.batches[0]))
 
     def _context(self, ctx: int) -> float:
         if ctx < 0:
@@ -239,6 +255,9 @@ class CostTable:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, _compact_json(self.to_dict()) + "\n")
+
+
+_WARNED: set[tuple] = set()  # (table key, batch): lookups below a table's first batch, warned once
 
 
 def _lerp(xs: list[int], ys: torch.Tensor, at) -> torch.Tensor:
