@@ -149,7 +149,7 @@ def check_args(args) -> dict:
 def check_costs_cover(path: str, levels: list[int]) -> None:
     """A ``--costs`` table must have measured every ``--concurrency``: a level between or below its batches is
     priced from other batches' costs (``cost_table``'s lookups), and the controller's row would then measure
-    that pricing, not the controller (a table of batches 8 and 64 priced c = 1's 32-node verify 37% dear on an
+    that pricing, not the controller (a table of batches 8 and 64 priced c = 1's 32-node verify ~40% dear on an
     H200 and the controller verified 16 nodes in a third of its rounds: docs/results.md, thirty-first session).
     A file that does not parse is left to ``CostTable.load``, which names what is wrong with it."""
     try:

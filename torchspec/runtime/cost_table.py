@@ -49,8 +49,9 @@ concurrency from which the chain controller is at least as fast as the tree cont
 [N_max + 1] indexed by node count 0..N_max, ``round_ms`` -> a 0-d time. Between measured batches, context
 buckets and node counts the times are interpolated linearly. A batch above the last measured one is a
 ValueError; one below the first reads as the first, with a warning once per table and batch (a table
-measured at batches 8 and 64 prices a lone row's 32-node verify at batch 8's, 1.53 ms against 1.12 on an H200:
-the controller then verifies 16 nodes where 32 pay; re-profile with ``--batches`` from 1). (Until the
+measured at batches 8 and 64 prices a lone row's 32-node verify at batch 8's, ~40% dear on an H200: 1.56 against
+1.12 ms in the seventeenth session's table; the controller then verifies 16 nodes where 32 pay; re-profile with
+``--batches`` from 1). (Until the
 thirty-first session a batch was rounded UP to the next measured one: with the default ``1,8,64``, serving
 16 rows priced every round as 64 rows'.) A context outside the measured buckets is CLAMPED to the nearest
 one (a longer context than the last bucket reads as the last bucket: re-profile with a larger bucket for
