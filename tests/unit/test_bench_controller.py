@@ -140,11 +140,12 @@ def test_a_closed_batch_judges_the_chain_by_its_rounds_priced(tool):
 
 def test_rows_say_where_the_rounds_time_goes(result):
     """Each run's rounds by kind: plain decoding's are plain steps; the controller's are its plans (a plain
-    streak's rounds "plain-deferring"), one per round it traced, each with a mean wall time."""
+    streak's rounds "plain-deferring"; under the default held plans, "held dXwY" for a plan run undecided), one
+    per round it traced, each with a mean wall time."""
     for r in result[0]["rows"]:
         assert set(r["plain_round_kinds"]) == {"plain"} and set(r["best_fixed_round_kinds"]) == {"spec"}
         for kinds, decisions in ((r["round_kinds"], r["decisions"]), (r["chain_round_kinds"], r["chain_decisions"])):
-            labels = {f"d{d}w{w}" for d, w, _ in decisions if w} | {"plain-deferring"}
+            labels = {f"{held}d{d}w{w}" for d, w, _ in decisions if w for held in ("", "held ")} | {"plain-deferring"}
             assert set(kinds) <= labels and all(v["ms"] > 0 for v in kinds.values()), (kinds, decisions)
             assert sum(v["rounds"] for v in kinds.values()) == sum(n for _, _, n in decisions)
         priced = r["priced"]  # every run priced per round from these kinds (tools/price_controller_rounds.py)
@@ -152,12 +153,12 @@ def test_rows_say_where_the_rounds_time_goes(result):
         assert priced["controller_vs_best_fixed"] == pytest.approx(priced["controller"] / priced["best_fixed"])
 
 
-@pytest.mark.parametrize("also", ["last", "held"])
+@pytest.mark.parametrize("also", ["last", "average"])
 def test_the_controller_rows_draft_chains_from_the_given_batch(tool, tmp_path, also):
     """``--chain-from-batch 2``: the controller as it would serve with that rule -- the tree at c=1, a chain at c=2
-    (verifying at most the chain's depth); ``--also-plans last`` / ``held``: beside it (the default plans
-    averaged), the controller planning from the last round's ratings alone, or holding repeated plans, timed and
-    counted in the same rows (held rounds among the round kinds, priced with the rest)."""
+    (verifying at most the chain's depth); ``--also-plans last`` / ``average``: beside it (the default, averaged
+    plans held while they repeat), the controller planning from the last round's ratings alone, or deciding every
+    round, timed and counted in the same rows (held rounds among the default's round kinds, priced with the rest)."""
     args = tool.build_parser().parse_args([*ARGS, "--noise", "0.0", "--out", str(tmp_path / "unused.json")])
     _, engine = next(tool.engines(args, tool.check_args(args), 2, 64))
     costs = tmp_path / "costs.json"
@@ -168,13 +169,12 @@ def test_the_controller_rows_draft_chains_from_the_given_batch(tool, tmp_path, a
                "--out", str(out)])
     rows = {r["concurrency"]: r for r in json.loads(out.read_text())["rows"]}
     for r in rows.values():
-        assert r["plans"] == "average" and r["also_plans"] == also
+        assert r["plans"] == "held" and r["also_plans"] == also
         assert r["also_plans_speedup"] > 0 and r["also_plans_acceptance"] >= 1
         assert sum(n for _, _, n in r["also_plans_decisions"]) == sum(v["rounds"] for v in
                                                                      r["also_plans_round_kinds"].values())
-    held = [k for r in rows.values() for k in r["also_plans_round_kinds"] if k.startswith("held")]
-    assert bool(held) == (also == "held") and not any(k.startswith("held") for r in rows.values()
-                                                       for k in r["round_kinds"])
+    assert not any(k.startswith("held") for r in rows.values() for k in r["also_plans_round_kinds"])
+    assert any(k.startswith("held") for r in rows.values() for k in r["round_kinds"])  # the default holds
     assert "TORCHSPEC_CONTROLLER_PLANS" not in os.environ  # set for the runs inside only
     assert [rows[c]["controller_drafts"] for c in (1, 2)] == ["tree", "chain"]
     assert [rows[c]["requests"] for c in (1, 2)] == [2, 4]  # --requests-per-slot 2: each slot refilled once

@@ -172,8 +172,12 @@ def test_the_cost_tables_chain_rule_applies_unless_the_caller_gives_one(confiden
 
 def test_ahead_rounds_draft_what_the_round_before_planned(confident, plain, tiny_tokenizer, monkeypatch):
     """Ahead mode: each greedy round's (depth, width) is the plan the previous round wrote on the device (clamped to
-    the spec and to an allowed width), the first round drafts depth 0 alone, and depths grow one a round at most."""
+    the spec and to an allowed width), the first round drafts depth 0 alone, and depths grow one a round at most.
+    Every round decides here ("average"; the default's held rounds run a plan undecided: test_controller_holds)."""
     import torchspec.runtime.controlled_drafting as cd
+    from torchspec.runtime.plan_averages import PLANS_ENV
+
+    monkeypatch.setenv(PLANS_ENV, "average")
 
     plans, real = [], cd.draft_ahead_tree
 
@@ -286,13 +290,17 @@ def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_to
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)
 @pytest.mark.parametrize("chain_from_batch", [None, 2])
-def test_round_shapes_hold_every_round_the_controller_plans(engine, spec, chain_from_batch):
+def test_round_shapes_hold_every_round_the_controller_plans(engine, spec, chain_from_batch, monkeypatch):
     """``Controller.round_shapes`` (what the engine captures as CUDA graphs before a batch's first controlled round)
     holds every (shape, plan, flush) that ``plan`` returns at that batch for any plan a round may write -- each
     depth, each width (clamped to the spec and to an allowed width; probes of width-0 plans), after deferred plain
-    rounds or not -- and every sampled round's depth; it leaves the controller's host state as it was."""
+    rounds or not -- and every sampled round's depth; it leaves the controller's host state as it was. (Deciding
+    rounds: held ones are test_controller_holds.py::test_round_shapes_hold_every_held_round.)"""
     from torchspec.runtime.controlled_drafting import PLAIN_ROUND, Controller
+    from torchspec.runtime.plan_averages import PLANS_ENV
     from torchspec.runtime.sampling import SamplingParams
+
+    monkeypatch.setenv(PLANS_ENV, "average")
 
     ctl = Controller(table(engine, depth=0.05, verify_per_node=0.02), spec, Calibration(torch.device("cpu")),
                      chain_from_batch)

@@ -141,8 +141,8 @@ def test_one_unconfident_round_among_confident_ones_keeps_the_plan_deep():
 
 def test_plans_how_reads_the_environment(monkeypatch):
     monkeypatch.delenv(PLANS_ENV, raising=False)
-    assert plans_how() == "average"
-    for how in ("last", "held"):
+    assert plans_how() == "held"  # the default since the thirty-first session
+    for how in ("last", "average", "held"):
         monkeypatch.setenv(PLANS_ENV, how)
         assert plans_how() == how
     monkeypatch.setenv(PLANS_ENV, "smooth")

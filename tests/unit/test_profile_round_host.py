@@ -25,7 +25,8 @@ def test_both_runs_are_profiled_and_compared(tool, tmp_path, capsys):
     data = json.loads(out.read_text())
     fixed, ctl = data["runs"]["fixed"], data["runs"]["controller"]
     assert set(fixed["round_kinds"]) == {"spec"}  # the fixed tree's rounds
-    assert set(ctl["round_kinds"]) <= {"plain-deferring"} | {k for k in ctl["round_kinds"] if k.startswith("d")}
+    assert set(ctl["round_kinds"]) <= {"plain-deferring"} | {k for k in ctl["round_kinds"]
+                                                              if k.startswith(("d", "held d"))}
     for run in (fixed, ctl):
         assert run["round_ms"] > 0 and run["host"]
         assert all(v["cum_us"] >= v["own_us"] >= 0 for v in run["host"].values())

@@ -37,7 +37,7 @@ probe that plans width 0 again, up to ``PROBE_MOST - 1``; a round that verifies 
 them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the round, after every depth, on the
 host (one sync a depth), without CUDA graphs. Device-chained per-depth graphs are not built.
 
-**Held plans** (``TORCHSPEC_CONTROLLER_PLANS=held``: averaged plans, and holds): when a deciding round plans
+**Held plans** (``TORCHSPEC_CONTROLLER_PLANS=held``, the default: averaged plans, and holds): when a deciding round plans
 the very (depth, width) it ran, the next ``held_plans.HOLD_ROUNDS - 1`` rounds run that plan as the fixed
 shape (a chain's scoreless walk of ``width`` nodes, or the tree of ``depth`` keeping its ``width`` best), with
 no scores, decision or calibration evidence, and the round after them decides again; a plan that changes, or

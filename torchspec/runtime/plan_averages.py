@@ -34,7 +34,8 @@ also names the probe: the entry of the best tokens per ns among those that verif
 drafter's entries all expect ~1 token, so its probe is the cheapest shape (depth 0, one node); a good drafter's
 is the deep round its table rates highest.
 
-**The default** since the twenty-sixth session. Served on an H100 (a 900-step SmolLM2 drafter, held-out chain
+**The averaged table is what every default has planned from** since the twenty-sixth session (from the
+thirty-first on with holds, ``held_plans.py``). Served on an H100 (a 900-step SmolLM2 drafter, held-out chain
 acceptance 2.97, MT-Bench, 8 prompts, fused decisions, two runs at c = 1): x1.26 and x1.31 against the last
 round's plans' x1.12 and x1.19 (means of clean repeats) and the best fixed shape's x1.21 and x1.25 (the 5-deep
 top-8 tree of 32 nodes); x1.07 at c = 8 (last: x1.07, best fixed: x1.07) and x1.04 at c = 64 (x1.05, x1.09);
@@ -58,19 +59,20 @@ from torchspec.runtime.controller_policy import NS_PER_MS, cost_ns
 from torchspec.runtime.controller_reference import reference_expected_tokens
 
 SHIFT = 1  # the newest round's weight in the average: 2^-SHIFT
-PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "average" (default), "held" or "last" (the last round's ratings alone)
+PLANS_ENV = "TORCHSPEC_CONTROLLER_PLANS"  # "held" (default), "average" or "last" (the last round's ratings alone)
+DEFAULT_PLANS = "held"  # held_plans.py: faster than "average" or level in every H200 pair of the 31st session
 PLANS = ("average", "held", "last")  # "held": averaged, and a plan a deciding round repeats is held (controlled_drafting)
 AVERAGED = ("average", "held")  # the plans read from the averaged table (the decision kernel folds it)
 
 
 def plans_how() -> str:
-    """How ahead mode plans (``TORCHSPEC_CONTROLLER_PLANS``): "average" (the default: served faster, module
-    docstring), "held" (averaged; a repeated plan then runs undecided for a few rounds,
-    ``held_plans.HOLD_ROUNDS``) or "last"."""
-    how = os.environ.get(PLANS_ENV, "average")
+    """How ahead mode plans (``TORCHSPEC_CONTROLLER_PLANS``): "held" (the default since the thirty-first session:
+    averaged, and a repeated plan then runs undecided for a few rounds, ``held_plans.py``), "average" (averaged,
+    every round decided: module docstring) or "last"."""
+    how = os.environ.get(PLANS_ENV, DEFAULT_PLANS)
     if how not in PLANS:
-        raise ValueError(f"{PLANS_ENV}={how!r} is not a way to plan: set it to one of {PLANS} ('average' is the "
-                         f"default).")
+        raise ValueError(f"{PLANS_ENV}={how!r} is not a way to plan: set it to one of {PLANS} ({DEFAULT_PLANS!r} is "
+                         f"the default).")
     return how
 
 
