@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--also-plans", choices=PLANS, default=None,
                    help="ahead mode: also time the controller with these plans (TORCHSPEC_CONTROLLER_PLANS: "
                         "'average', from recent rounds' ratings, plan_averages.py; 'held', averaged and a repeated "
-                        "plan held undecided for a few rounds; 'last', the last round's alone) beside the runtime's "
-                        "default")
+                        "plan held undecided for a few rounds, the default; 'last', the last round's alone) beside "
+                        "the runtime's default")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -142,6 +142,9 @@ def check_args(args) -> dict:
         raise ValueError(f"--costs {args.costs} does not exist; run torchspec-profile first or leave --costs out.")
     if args.costs:
         check_costs_cover(args.costs, levels)
+    if args.also_plans is not None and args.also_plans == plans_how():
+        raise ValueError(f"--also-plans {args.also_plans} is how the runtime plans already "
+                         f"({PLANS_ENV}={plans_how()!r}); choose one of {[p for p in PLANS if p != plans_how()]}.")
     return {"shapes": chains + trees, "levels": levels, "controlled": controlled,
             "noise": [] if args.target else csv_values("--noise", args.noise)}
 

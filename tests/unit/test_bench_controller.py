@@ -71,6 +71,7 @@ def test_the_untrained_drafter_is_not_verified_and_the_good_one_is(result):
                                           (["--target", "x"], "--target needs"),
                                           (["--chain-from-batch", "0"], "--chain-from-batch"),
                                           (["--requests-per-slot", "0"], "--requests-per-slot"),
+                                          (["--also-plans", "held"], "how the runtime plans already"),
                                           (["--target", "x", "--drafter", "untrained"], "name=<export dir>")])
 def test_bad_options_are_one_line_errors(tool, tmp_path, capsys, bad, message):
     with pytest.raises(SystemExit) as err:
