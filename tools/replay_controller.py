@@ -13,8 +13,8 @@ shape does not, taken off every fixed shape's round and every held round (``--pl
 prices fixed shapes and holds a little high). At ``chain_from_batch`` rows or more the controller drafts chains,
 priced at width 1. A planning aid, not a measurement.
 
-``--plans`` replays the controller once per way of planning (``plan_averages.PLANS``): "average" is the row
-``controller``, any other ``controller (<plans>)``.
+``--plans`` replays the controller once per way of planning (``plan_averages.PLANS``): the runtime's default
+(``plan_averages.DEFAULT_PLANS``, "held") is the row ``controller``, any other ``controller (<plans>)``.
 
 The controller's row also holds ``calibration_by_depth``: at each draft depth, the verified nodes' expected
 tokens as the calibration read them, as the drafter's own path probabilities gave them, and the tokens
@@ -50,7 +50,7 @@ from torchspec.runtime.calibration import ALPHAS  # noqa: E402
 from torchspec.runtime.controller_policy import SCALE_ONE, rank_buckets  # noqa: E402
 from torchspec.runtime.cost_table import CostTable, cost_key  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig, pool_steps  # noqa: E402
-from torchspec.runtime.plan_averages import PLANS  # noqa: E402
+from torchspec.runtime.plan_averages import DEFAULT_PLANS, PLANS  # noqa: E402
 
 PLAIN = (0, 0)
 
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=320, help="the context the rounds are priced at")
     p.add_argument("--chains", default="1,2,3")
     p.add_argument("--trees", default="3x4x8,4x4x16,5x8x32", help="fixed trees; the last bounds the controller")
-    p.add_argument("--plans", default="average", help=f"ways of planning, comma-separated, of {PLANS}")
+    p.add_argument("--plans", default=DEFAULT_PLANS, help=f"ways of planning, comma-separated, of {PLANS} "
+                                                          f"(default: the runtime's, {DEFAULT_PLANS!r})")
     p.add_argument("--decide-ms", type=float, default=0.0,
                    help="what a deciding round pays that a fixed shape's does not (ms; thirtieth session, H100: "
                         "~0.11 at batch 64): off fixed shapes' and held rounds' prices")
@@ -200,7 +201,7 @@ def replay_plans(engine, args, bound: SpecConfig, plans: str, price: Pricer, run
     held = sum(n for kind, (n, _) in engine.round_kinds.items() if kind.startswith("held"))
     cost = sum(price.round(d, k, w) for d, w in ctl.trace) - held * price.decide
     a = sum(acc) / len(acc)  # committed tokens a row-round; the trace has one entry a batched round
-    return {"mode": "controller" if plans == "average" else f"controller ({plans})", "plans_how": plans,
+    return {"mode": "controller" if plans == DEFAULT_PLANS else f"controller ({plans})", "plans_how": plans,
             "acceptance": a, "held_rounds": held, "drafts": "chain" if k == 1 else "tree",
             "speedup": (sum(acc) / cost) / (args.concurrency / price.plain()) if len(ctl.trace) else 0.0,
             "plans": [[d, w, n] for (d, w), n in collections.Counter(ctl.trace).most_common()],

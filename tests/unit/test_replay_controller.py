@@ -53,12 +53,12 @@ def test_each_way_of_planning_is_a_row_and_held_rounds_skip_the_decision(tool, s
     args = ["--shape", "tiny", "--noise", "0.0", "--costs", str(setup[3]), "--num-prompts", "2", "--prompt-len", "16",
             "--max-new-tokens", "24", "--chains", "1", "--trees", "2x2x4", "--plans", "average,held"]
     rows = {r["mode"]: r for r in tool.main([*args, "--decide-ms", "0.1"])["rows"]}
-    assert list(rows) == ["chain1", "tree2x2x4", "controller", "controller (held)"]
-    assert rows["controller"]["held_rounds"] == 0 and rows["controller (held)"]["held_rounds"] > 0
+    assert list(rows) == ["chain1", "tree2x2x4", "controller (average)", "controller"]  # the default: held
+    assert rows["controller (average)"]["held_rounds"] == 0 and rows["controller"]["held_rounds"] > 0
     free = {r["mode"]: r for r in tool.main([*args, "--decide-ms", "0"])["rows"]}
-    for mode in ("tree2x2x4", "controller (held)"):  # the same runs, cheaper by the decision they skip
+    for mode in ("tree2x2x4", "controller"):  # the same runs, cheaper by the decision they skip
         assert rows[mode]["acceptance"] == free[mode]["acceptance"] and rows[mode]["speedup"] > free[mode]["speedup"]
-    assert rows["controller"]["speedup"] == pytest.approx(free["controller"]["speedup"])  # every round decided
+    assert rows["controller (average)"]["speedup"] == pytest.approx(free["controller (average)"]["speedup"])  # decided
 
 
 def test_rows_and_outputs(tool, setup, tmp_path):
