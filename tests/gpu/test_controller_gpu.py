@@ -273,11 +273,14 @@ def test_a_new_table_calibrates_a_new_calibration_in_new_graphs(pair, tiny_token
 
 
 @pytest.mark.parametrize("shape", ["tree", "chain"])
-def test_every_planned_round_is_captured_before_any_runs(pair, tiny_tokenizer, shape):
+def test_every_planned_round_is_captured_before_any_runs(pair, tiny_tokenizer, shape, monkeypatch):
     """``capture_controller_graphs`` captures, on idle rows, every round the controller may plan at the configured
     batch (each depth and width, after deferred plain rounds or not, and the deferring plain round) for every
     context bucket; the runs that follow -- whatever the table makes the controller choose -- capture nothing
-    more, and their greedy output is plain decoding's (the idle captures wrote nothing)."""
+    more, and their greedy output is plain decoding's (the idle captures wrote nothing). Deciding rounds
+    ("average": a chain's held shapes repeat across depths, so their count is not the list's; held plans'
+    captures are test_held_plans_run_as_captured_graphs_and_keep_greedy_output's)."""
+    monkeypatch.setenv(PLANS_ENV, "average")
     engine = engine_of(pair, cuda_graphs=True)
     engine.runner.model.lm_head.weight.data.mul_(40.0)
     ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "the cat sat", "alpha", "one")]
