@@ -37,13 +37,13 @@ probe that plans width 0 again, up to ``PROBE_MOST - 1``; a round that verifies 
 them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the round, after every depth, on the
 host (one sync a depth), without CUDA graphs. Device-chained per-depth graphs are not built.
 
-**Held plans** (``TORCHSPEC_CONTROLLER_PLANS=held``, the default: averaged plans, and holds): when a deciding round plans
-the very (depth, width) it ran, the next ``held_plans.HOLD_ROUNDS - 1`` rounds run that plan as the fixed
-shape (a chain's scoreless walk of ``width`` nodes, or the tree of ``depth`` keeping its ``width`` best), with
-no scores, decision or calibration evidence, and the round after them decides again; a plan that changes, or
-width 0, holds nothing, and a hold ends early once its rounds' committed tokens stop paying for the plan against
-a plain step (``held_plans.py``). A controlled chain round cost 2.7% more than the fixed chain of its shape at batch 64
-(H100, twenty-eighth session): where the averaged plan settles, most rounds need not pay that.
+**Held plans** (``TORCHSPEC_CONTROLLER_PLANS=held``, the default: averaged plans, and holds): when a deciding
+round plans the very (depth, width) it ran, the next ``held_plans.HOLD_ROUNDS - 1`` rounds run that plan as the
+fixed shape (a chain's scoreless walk of ``width`` nodes, or the tree of ``depth`` keeping its ``width`` best),
+with no scores, decision or calibration evidence, and the round after them decides again; a plan that changes,
+or width 0, holds nothing, and a hold ends early once its rounds' committed tokens stop paying for the plan
+against a plain step (``held_plans.py``). A controlled chain round cost 2.7% more than the fixed chain of its
+shape at batch 64 (H100, twenty-eighth session): where the averaged plan settles, most rounds need not pay that.
 
 **Calibration** (``calibration.py``) scales the drafter's confidence by how far it has been borne out,
 so an untrained drafter is verified for a round or two, then almost never.
@@ -111,7 +111,7 @@ class Controller:
         decide_how()  # a bad TORCHSPEC_CONTROLLER_DECIDE is refused at configure, not inside a round
         self.table, self.spec, self.calibration, self.chain_from_batch = table, spec, calibration, chain_from_batch
         self.mode = mode
-        self.plans = plans_how() if mode == "ahead" else None  # "average" (plan_averages.py), "held" or "last"
+        self.plans = plans_how() if mode == "ahead" else None  # "held" (the default), "average" or "last"
         self.averaged = self.plans in AVERAGED
         self.hold = Hold()  # plans "held": the rounds left that run the last plan undecided, and what they commit
         self._at = (0, 0)  # the last greedy round's (padded batch, context): where a hold's break-even is priced

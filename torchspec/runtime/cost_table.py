@@ -51,9 +51,8 @@ buckets and node counts the times are interpolated linearly. A batch above the l
 ValueError; one below the first reads as the first, with a warning once per table and batch (a table
 measured at batches 8 and 64 prices a lone row's 32-node verify at batch 8's, ~40% dear on an H200: 1.56 against
 1.12 ms in the seventeenth session's table; the controller then verifies 16 nodes where 32 pay; re-profile with
-``--batches`` from 1). (Until the
-thirty-first session a batch was rounded UP to the next measured one: with the default ``1,8,64``, serving
-16 rows priced every round as 64 rows'.) A context outside the measured buckets is CLAMPED to the nearest
+``--batches`` from 1). (Until the thirty-first session a batch was rounded UP to the next measured one: with the
+default ``1,8,64``, serving 16 rows priced every round as 64 rows'.) A context outside the measured buckets is CLAMPED to the nearest
 one (a longer context than the last bucket reads as the last bucket: re-profile with a larger bucket for
 long-context serving).
 """
@@ -74,6 +73,7 @@ import torch
 from torchspec.io import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger(__name__)
+_WARNED: set[tuple] = set()  # (table key, batch): lookups below a table's first batch, warned once
 
 TABLE_VERSION = 2
 TABLE_KEYS = ("version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "round_ms", "meta")
@@ -256,9 +256,6 @@ class CostTable:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, _compact_json(self.to_dict()) + "\n")
-
-
-_WARNED: set[tuple] = set()  # (table key, batch): lookups below a table's first batch, warned once
 
 
 def _lerp(xs: list[int], ys: torch.Tensor, at) -> torch.Tensor:
