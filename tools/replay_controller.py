@@ -5,12 +5,17 @@ The engine decodes the same prompts plainly, with each fixed shape and with the 
 ahead mode); greedy outputs must equal plain decoding. Each round is priced from the table at the run's batch
 and ``--ctx``: a plain round ``verify_ms[0] + overhead_ms``; a speculating round ``round_ms - verify_ms[0]``
 (depth 0 and the round's fixed work) + a drafter depth per later depth (at its frontier width, linear between
-the measured widths) + ``verify_ms[nodes] + overhead_ms``. The modeled speedup is tokens per modeled ms against
-plain decoding's. ``--overhead`` sets the table's host time a round (``b=ms,...``; the table's own by default).
-Acceptance comes from this machine's forward (fp32 on the CPU, which may differ from bf16 on the GPU). The
-controller's deciding kernels are in ``round_ms``: ``--decide-ms`` is what a deciding round pays that a fixed
-shape does not, taken off every fixed shape's round and every held round (``--plans held``; 0 by default, which
-prices fixed shapes and holds a little high). At ``chain_from_batch`` rows or more the controller drafts chains,
+the measured widths) + ``verify_ms[nodes] + overhead_ms``. The modeled speedup is plain decoding's modeled time
+over the run's, each the sum of its own rounds (the same greedy tokens either way): a batch that drains at the
+end of a run pays for its idle rows in every run alike. (Before the thirty-second session a fixed shape was
+priced as if every round ran full -- its acceptance a row-round over its round's cost -- and the controller on its
+rounds, which at c = 8 over two waves of prompts made a fixed tree look 25% faster than its runs were: x1.68
+against x1.34.)
+``--overhead`` sets the table's host time a round (``b=ms,...``; the table's own by default). Acceptance comes
+from this machine's forward (fp32 on the CPU, which may differ from bf16 on the GPU). The controller's deciding
+kernels are in ``round_ms``: ``--decide-ms`` is what a deciding round pays that a fixed shape does not, taken off
+every fixed shape's round and every held round (``--plans held``; 0 by default, which prices fixed shapes and
+holds a little high). At ``chain_from_batch`` rows or more the controller drafts chains,
 priced at width 1. A planning aid, not a measurement.
 
 ``--plans`` replays the controller once per way of planning (``plan_averages.PLANS``): the runtime's default
@@ -154,23 +159,26 @@ def replay(args) -> dict:
     prompts = bench_prompts(args, engine, args.num_prompts, torch.Generator().manual_seed(args.seed))
 
     def run(**kw):
+        """-> (each prompt's tokens, every row-round's accepted count, the batched rounds the run took)"""
+        before = engine.decode_rounds
         out = engine.generate(prompts, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency, **kw)
-        return [r.token_ids for r in out], [a for r in out for a in r.accept_lengths]
+        return [r.token_ids for r in out], [a for r in out for a in r.accept_lengths], engine.decode_rounds - before
 
-    plain, _ = run()
+    plain, _, plain_rounds = run()
+    plain_ms = plain_rounds * price.plain()  # plain decoding's modeled time: what every speedup is over
     rows = []
     for spec in [*chains, *trees]:
-        tokens, acc = run(spec=spec)
+        tokens, acc, rounds = run(spec=spec)
         if tokens != plain:
             raise AssertionError(f"{spec}: greedy output differs from plain decoding")
         k, n = (1, spec.depth) if spec.shape == "chain" else (spec.topk, spec.num_nodes)
-        a = sum(acc) / len(acc)
-        rows.append({"mode": label(spec), "acceptance": a,
-                     "speedup": a * price.plain() / price.round(spec.depth, k, n, decided=False)})
+        ms = rounds * price.round(spec.depth, k, n, decided=False)
+        rows.append({"mode": label(spec), "acceptance": sum(acc) / len(acc), "rounds": rounds, "modeled_ms": ms,
+                     "speedup": plain_ms / ms})
     for plans in args.plans.split(","):
-        rows.append(replay_plans(engine, args, trees[-1], plans, price, run, plain))
+        rows.append(replay_plans(engine, args, trees[-1], plans, price, run, plain, plain_ms))
     out = {"args": vars(args), "device": str(engine.device), "plain_round_ms": price.plain(),
-           "host_ms": price.host, "rows": rows}
+           "plain_rounds": plain_rounds, "host_ms": price.host, "rows": rows}
     for r in rows:
         print(f"{r['mode']:<16} acceptance {r['acceptance']:.2f}  modeled x{r['speedup']:.2f}"
               + (f"  plans {r['plans'][:6]}" if "plans" in r else ""))
@@ -187,23 +195,25 @@ def replay(args) -> dict:
     return out
 
 
-def replay_plans(engine, args, bound: SpecConfig, plans: str, price: Pricer, run, plain: list) -> dict:
+def replay_plans(engine, args, bound: SpecConfig, plans: str, price: Pricer, run, plain: list,
+                 plain_ms: float) -> dict:
     """The controller within ``bound`` planning as ``plans`` says, from a fresh calibration (a table object of its
-    own): its row, each round priced (held rounds without the decision; chains at width 1)."""
+    own): its row, each round priced (held rounds without the decision; chains at width 1), its speedup
+    ``plain_ms`` (plain decoding's modeled time) over the sum."""
     table = load_table(args, engine)
     engine.round_kinds.clear()
     with plans_env(plans), DepthEvidence(bound.topk) as by_depth:
-        tokens, acc = run(spec=bound, controller=table)
+        tokens, acc, rounds = run(spec=bound, controller=table)
     if tokens != plain:
         raise AssertionError(f"the controller's greedy output ({plans} plans) differs from plain decoding")
     ctl = engine.controller
     k = 1 if ctl._base(args.concurrency).shape == "chain" else bound.topk
     held = sum(n for kind, (n, _) in engine.round_kinds.items() if kind.startswith("held"))
     cost = sum(price.round(d, k, w) for d, w in ctl.trace) - held * price.decide
-    a = sum(acc) / len(acc)  # committed tokens a row-round; the trace has one entry a batched round
+    assert len(ctl.trace) == rounds, (len(ctl.trace), rounds)  # the trace has one entry a batched round
     return {"mode": "controller" if plans == DEFAULT_PLANS else f"controller ({plans})", "plans_how": plans,
-            "acceptance": a, "held_rounds": held, "drafts": "chain" if k == 1 else "tree",
-            "speedup": (sum(acc) / cost) / (args.concurrency / price.plain()) if len(ctl.trace) else 0.0,
+            "acceptance": sum(acc) / len(acc), "rounds": rounds, "modeled_ms": cost, "held_rounds": held,
+            "drafts": "chain" if k == 1 else "tree", "speedup": plain_ms / cost if rounds else 0.0,
             "plans": [[d, w, n] for (d, w), n in collections.Counter(ctl.trace).most_common()],
             "calibration_by_depth": by_depth.rows(), "calibration_at_end": calibration_state(engine)}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
@@ -72,6 +73,19 @@ def test_rows_and_outputs(tool, setup, tmp_path):
     assert [r["mode"] for r in saved["rows"]] == ["chain1", "chain2", "tree2x2x3", "tree3x2x6", "controller"]
     for r in saved["rows"]:
         assert r["acceptance"] >= 1 and r["speedup"] > 0
+    # every speedup is plain decoding's modeled time over the run's, each summed over the rounds it took
+    plain_ms = saved["plain_rounds"] * saved["plain_round_ms"]
+    from torchspec.runtime.cost_table import CostTable
+
+    table = CostTable.load(costs, None)
+    table.overhead = torch.tensor([0.3, 0.4, 0.5], dtype=table.overhead.dtype)  # --overhead, at batches 1, 4, 512
+    price = tool.Pricer(table, 2, saved["args"]["ctx"])
+    fixed = {"chain1": (1, 1, 1), "chain2": (2, 1, 2), "tree2x2x3": (2, 2, 3), "tree3x2x6": (3, 2, 6)}
+    for r in saved["rows"]:
+        assert r["speedup"] == pytest.approx(plain_ms / r["modeled_ms"])
+        if r["mode"] in fixed:  # a fixed shape: its rounds at its price, the batch's idle rows included
+            assert r["modeled_ms"] == pytest.approx(r["rounds"] * price.round(*fixed[r["mode"]], decided=False))
+    assert saved["rows"][-1]["rounds"] == sum(n for _, _, n in saved["rows"][-1]["plans"])  # one plan a round
     assert max(r["acceptance"] for r in saved["rows"][:-1]) > 1.2  # the pair agrees: drafts are accepted
     assert sum(n for _, _, n in saved["rows"][-1]["plans"]) > 0
     by_depth = saved["rows"][-1]["calibration_by_depth"]  # depths 1..3 of the 3x2x6 bound
