@@ -6,17 +6,16 @@ ahead mode); greedy outputs must equal plain decoding. Each round is priced from
 and ``--ctx``: a plain round ``verify_ms[0] + overhead_ms``; a speculating round ``round_ms - verify_ms[0]``
 (depth 0 and the round's fixed work) + a drafter depth per later depth (at its frontier width, linear between
 the measured widths) + ``verify_ms[nodes] + overhead_ms``. The modeled speedup is plain decoding's modeled time
-over the run's, each the sum of its own rounds (the same greedy tokens either way): a batch that drains at the
-end of a run pays for its idle rows in every run alike. (Before the thirty-second session a fixed shape was
-priced as if every round ran full -- its acceptance a row-round over its round's cost -- and the controller on its
-rounds, which at c = 8 over two waves of prompts made a fixed tree look 25% faster than its runs were: x1.68
-against x1.34.)
-``--overhead`` sets the table's host time a round (``b=ms,...``; the table's own by default). Acceptance comes
-from this machine's forward (fp32 on the CPU, which may differ from bf16 on the GPU). The controller's deciding
-kernels are in ``round_ms``: ``--decide-ms`` is what a deciding round pays that a fixed shape does not, taken off
-every fixed shape's round and every held round (``--plans held``; 0 by default, which prices fixed shapes and
-holds a little high). At ``chain_from_batch`` rows or more the controller drafts chains,
-priced at width 1. A planning aid, not a measurement.
+over the run's, each the sum of its own rounds (the same greedy tokens either way): a batch that drains at the end
+of a run pays for its idle rows in every run alike. (Before the thirty-second session a fixed shape was priced as
+if every round ran full -- its acceptance a row-round over its round's cost -- and the controller on its rounds,
+which at c = 8 over two waves of prompts made a fixed tree look 25% faster than its runs were: x1.68 against
+x1.34.) ``--overhead`` sets the table's host time a round (``b=ms,...``; the table's own by default). Acceptance
+comes from this machine's forward (fp32 on the CPU, which may differ from bf16 on the GPU). The controller's
+deciding kernels are in ``round_ms``: ``--decide-ms`` is what a deciding round pays that a fixed shape does not,
+taken off every fixed shape's round and every held round (``--plans held``; 0 by default, which prices fixed shapes
+and holds a little high). At ``chain_from_batch`` rows or more the controller drafts chains, priced at width 1. A
+planning aid, not a measurement.
 
 ``--plans`` replays the controller once per way of planning (``plan_averages.PLANS``): the runtime's default
 (``plan_averages.DEFAULT_PLANS``, "held") is the row ``controller``, any other ``controller (<plans>)``.
