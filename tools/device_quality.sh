@@ -172,7 +172,12 @@ join_target() {  # the SmolLM2 GGUF from its carried parts: call 1 brought part 
   # (smol.part<N> in any $CARRY/.carry?; a two-part split, part 2 in .carryB, still joins)
   [ -f "$W/smollm2.gguf" ] && return
   local parts=("$W/smol.part1") n f
-  for n in 2 3 4 5; do for f in "$CARRY"/.carry?/smol.part$n; do [ -f "$f" ] && parts+=("$f"); done; done
+  for n in 2 3 4 5; do
+    local found=()
+    for f in "$CARRY"/.carry?/smol.part$n; do [ -f "$f" ] && found+=("$f"); done
+    [ "${#found[@]}" -le 1 ] || { echo "join_target: part $n is in ${found[*]}; keep one (header)"; exit 2; }
+    parts+=("${found[@]}")
+  done
   [ "${#parts[@]}" -ge 2 ] || { echo "join_target: only part 1 of the target is here; carry its other parts (header)"; exit 2; }
   cat "${parts[@]}" > "$W/smollm2.gguf.tmp" && mv "$W/smollm2.gguf.tmp" "$W/smollm2.gguf" && rm "$W/smol.part1"
   echo "target joined from ${#parts[@]} parts: $(stat -c %s "$W/smollm2.gguf") bytes"
