@@ -41,9 +41,10 @@ host (one sync a depth), without CUDA graphs. Device-chained per-depth graphs ar
 round plans the very (depth, width) it ran, the next ``held_plans.HOLD_ROUNDS - 1`` rounds run that plan as the
 fixed shape (a chain's scoreless walk of ``width`` nodes, or the tree of ``depth`` keeping its ``width`` best),
 with no scores, decision or calibration evidence, and the round after them decides again; a plan that changes,
-or width 0, holds nothing, and a hold ends early once its rounds' committed tokens stop paying for the plan
-against a plain step (``held_plans.py``). A controlled chain round cost 2.7% more than the fixed chain of its
-shape at batch 64 (H100, twenty-eighth session): where the averaged plan settles, most rounds need not pay that.
+or width 0, holds nothing; a hold starts only on a round that paid for its plan against a plain step and ends
+early once its rounds' committed tokens fall short of that by more than their noise (``held_plans.py``). A
+controlled chain round cost 2.7% more than the fixed chain of its shape at batch 64 (H100, twenty-eighth
+session): where the averaged plan settles, most rounds need not pay that.
 
 **Calibration** (``calibration.py``) scales the drafter's confidence by how far it has been borne out,
 so an untrained drafter is verified for a round or two, then almost never.
@@ -279,7 +280,8 @@ class Controller:
         if costs.plan is not None:
             self.next_plan = (int(plan[0]), int(plan[1]))
             if self.plans == "held" and self.next_plan == tuple(costs.plan) and self.next_plan[1] > 0:
-                self.hold.start(self._hold_need(*self.next_plan), tokens, rows)
+                depth, width = self.next_plan
+                self.hold.start(self._hold_need(depth, width), tokens, rows, most=1 + min(depth, width))
             else:
                 self.hold.stop()
             if len(plan) >= 4:

@@ -7,11 +7,23 @@ round after them decides again (``controlled_drafting.Controller``).
 
 A hold lasts only while the plan pays. Every round's committed tokens reach the host in the round's one sync
 anyway, so the hold keeps the tokens a row-round its plan has committed -- the deciding round that started it
-and each held round since -- and ends as soon as they fall below the plan's break-even
-(``round_costs.break_even_tokens``: its modeled round time over a plain step's, from the cost table). The next
-round then decides, as every round does without holds. Without that release a middling drafter's marginal
-plan (d1w1 at 1.2 tokens a row-round, where it breaks even at 1.3) ran held for seven rounds in eight that
-the deciding controller mostly gave to plain steps (H100, thirtieth session: x0.88 against x0.92 at c = 64).
+and each held round since -- and ends once they fall short of the plan's break-even
+(``round_costs.break_even_tokens``: its modeled round time over a plain step's, from the cost table) by more
+than ``RELEASE_Z`` standard errors. The next round then decides, as every round does without holds. Without a
+release a middling drafter's marginal plan (d1w1 at 1.2 tokens a row-round, where it breaks even at 1.3) ran
+held for seven rounds in eight that the deciding controller mostly gave to plain steps (H100, thirtieth
+session: x0.88 against x0.92 at c = 64).
+
+**Why a standard error.** A hold starts only on a deciding round whose own tokens reached the break-even, so a
+drafter the calibration still overrates (an untrained one, early) starts none, as before. Once started, a hold
+is released on evidence: a row-round commits between 1 and ``most`` = 1 + min(depth, width) tokens, so its
+variance around a mean ``m`` is at most ``(m - 1) * (most - m)`` (the Bhatia-Davis bound; no per-row tokens need
+reach the host), ``m`` being the hold's tokens a row-round with one more row-round at the break-even. At c = 64
+one round is 64 row-rounds and the margin is small (d1w1 above: 0.05, released at once as before); at c = 1 one
+round is one draw of a spread-out count, and a round that accepted nothing no longer ends a hold that needs 1.6
+tokens (two in a row do). Against the break-even as is, the thirty-third session's c = 1 holds were cut by noise:
+90 of 256 rounds decided, each ~0.14 ms dearer than a held one (H100, a 725-step SmolLM2 drafter: 0.94 of the
+best fixed tree).
 
 **The default** since the thirty-first session: on an H200, with the release rule and the thirtieth session's
 fixes (one averaged table per shape under CUDA graphs, no catch-up on idle rows), held plans were faster than
@@ -23,26 +35,31 @@ nothing, so an untrained drafter's plain streaks run as before.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 HOLD_ROUNDS = 8  # a hold runs at most HOLD_ROUNDS - 1 rounds undecided; the next decides
+RELEASE_Z = 1.0  # a hold ends once its tokens a row-round fall this many standard errors below its break-even
 
 
 @dataclass
 class Hold:
     """One hold's state: ``left`` rounds it may still run undecided, the tokens a row-round it must commit
-    (``need``) and what its rounds committed so far (``tokens`` over ``rows`` live row-rounds)."""
+    (``need``), the most a row-round can commit (``most``: 1 + min(depth, width)) and what its rounds committed
+    so far (``tokens`` over ``rows`` live row-rounds)."""
 
     left: int = 0
     need: float = 0.0
+    most: int = 1
     tokens: int = 0
     rows: int = 0
 
-    def start(self, need: float, tokens: int, rows: int) -> None:
-        """The deciding round that ran the plan planned it again, committing ``tokens`` over ``rows`` live rows:
-        hold it unless those already fall short of ``need``."""
-        self.need, self.tokens, self.rows = need, tokens, rows
-        self.left = HOLD_ROUNDS - 1 if self.pays() else 0
+    def start(self, need: float, tokens: int, rows: int, most: int) -> None:
+        """The deciding round that ran the plan planned it again, committing ``tokens`` over ``rows`` live rows, at
+        most ``most`` a row: hold it if those reach ``need`` itself (a hold starts on a round that paid; it ends on
+        evidence that its rounds stopped paying, ``pays``)."""
+        self.need, self.most, self.tokens, self.rows = need, most, tokens, rows
+        self.left = HOLD_ROUNDS - 1 if rows > 0 and need <= most and tokens >= need * rows else 0
 
     def take(self) -> bool:
         """Whether this round runs held (and, if so, one round fewer is left)."""
@@ -61,4 +78,10 @@ class Hold:
         self.left = 0
 
     def pays(self) -> bool:
-        return self.rows > 0 and self.tokens >= self.need * self.rows
+        """Whether the tokens a row-round so far are within ``RELEASE_Z`` standard errors of the break-even (or
+        above it); a break-even beyond what a row-round can commit never pays."""
+        if self.rows <= 0 or self.need > self.most:
+            return False
+        mean = (self.tokens + self.need) / (self.rows + 1)  # one pseudo row-round at the break-even
+        spread = math.sqrt(max(mean - 1.0, 0.0) * max(self.most - mean, 0.0) / self.rows)
+        return self.tokens >= (self.need - RELEASE_Z * spread) * self.rows
