@@ -46,11 +46,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_controller import bench_prompts, parse_tree, plans_env  # noqa: E402
+from bench_controller import bench_prompts, calibration_state, parse_tree, plans_env  # noqa: E402
 
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
-from torchspec.runtime.calibration import ALPHAS  # noqa: E402
 from torchspec.runtime.controller_policy import SCALE_ONE, rank_buckets  # noqa: E402
 from torchspec.runtime.cost_table import CostTable, cost_key  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig, pool_steps  # noqa: E402
@@ -269,17 +268,6 @@ class DepthEvidence:
         depths = sorted(set(self.expected) | set(self.accepted))
         return [{"depth": d, "expected": self.expected[d], "expected_raw": self.raw[d], "accepted": self.accepted[d]}
                 for d in depths]
-
-
-def calibration_state(engine) -> dict:
-    """The controller's calibration after the run: its exponent, each rank bucket's ratio (accepted / expected,
-    before the cap) and the scale it applies."""
-    cal = engine.controller.calibration
-    alpha, scales = cal.choice()
-    at = ALPHAS.index(float(alpha))
-    overall = (cal.accepted + cal.prior) / (cal.expected[at] + cal.prior)
-    ratio = (cal.accepted_by_rank + cal.prior * overall) / (cal.expected_by_rank[at] + cal.prior)  # as choice()
-    return {"exponent": float(alpha), "ratio_by_rank": ratio.tolist(), "scale_by_rank": (scales / SCALE_ONE).tolist()}
 
 
 def build(args):

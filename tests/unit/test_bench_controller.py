@@ -13,6 +13,8 @@ import pytest
 
 from tests.cost_tables import linear_table
 from tests.tool_loader import load_tool
+from torchspec.runtime.calibration import ALPHAS
+from torchspec.runtime.controller_policy import RANK_BUCKETS
 
 ARGS = ["--shape", "tiny", "--concurrency", "1,2", "--chains", "1,3", "--trees", "2x2x3,3x2x4",
         "--max-new-tokens", "12", "--prompt-len", "8", "--num-prompts", "2", "--repeats", "1", "--device", "cpu"]
@@ -52,6 +54,9 @@ def test_rows_hold_the_issue_keys_and_the_best_fixed_shape(result):
         assert all(w <= 3 for _, w, _ in r["chain_decisions"])  # a chain verifies at most its depth
         assert r["controller_chain_from_batch"] is None and r["controller_drafts"] == "tree"  # the table has no rule
         assert r["requests"] == 2  # --num-prompts 2: a closed batch at c=1 and 2 (--requests-per-slot 1)
+        cal = r["calibration_at_end"]  # how the held controller's widths were rated
+        assert cal["exponent"] in ALPHAS and len(cal["ratio_by_rank"]) == len(cal["scale_by_rank"]) == RANK_BUCKETS
+        assert all(0 <= s <= 4.0 for s in cal["scale_by_rank"])  # Calibration(most=4.0)
     assert set(data["chain_from_batch"]) == {"controlled_noise0.0", "untrained"}
     assert "priced" in data["chain_from_batch_basis"]
     assert data["cuda_graphs"] is False and not out.with_suffix(".costs.json").exists()  # --costs: none measured
