@@ -21,9 +21,9 @@ variance around a mean ``m`` is at most ``(m - 1) * (most - m)`` (the Bhatia-Dav
 reach the host), ``m`` being the hold's tokens a row-round with one more row-round at the break-even. At c = 64
 one round is 64 row-rounds and the margin is small (d1w1 above: 0.05, released at once as before); at c = 1 one
 round is one draw of a spread-out count, and a round that accepted nothing no longer ends a hold that needs 1.6
-tokens (two in a row do). Against the break-even as is, the thirty-third session's c = 1 holds were cut by noise:
-90 of 256 rounds decided, each ~0.14 ms dearer than a held one (H100, a 725-step SmolLM2 drafter: 0.94 of the
-best fixed tree).
+tokens (started on a round of 2, the fourth such round in a row does). Against the break-even as is, the
+thirty-third session's c = 1 holds were cut by noise: 90 of 263 rounds decided, each 0.14-0.36 ms dearer than a
+held one (H100, a 725-step SmolLM2 drafter: 0.94 of the best fixed tree).
 
 **The default** since the thirty-first session: on an H200, with the release rule and the thirtieth session's
 fixes (one averaged table per shape under CUDA graphs, no catch-up on idle rows), held plans were faster than
