@@ -55,7 +55,6 @@ from price_controller_rounds import priced_fields  # noqa: E402
 from recipes.bench import csv_values, measure, paired_fields, paired_timings  # noqa: E402
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
-from torchspec.runtime.calibration import ALPHAS  # noqa: E402
 from torchspec.runtime.controller_policy import SCALE_ONE  # noqa: E402
 from torchspec.runtime.drafting import SpecConfig  # noqa: E402
 from torchspec.runtime.plan_averages import PLANS, PLANS_ENV, plans_how  # noqa: E402
@@ -277,7 +276,6 @@ def bench(args) -> dict:
             paired_ctl = paired_timings(partial(run, spec=None),
                                         partial(controller_run, ctl_run, engine, controlled, table, mode, decisions),
                                         args.repeats)
-            calibration_at_end = calibration_state(engine)  # the held controller's, before the chain's run
             paired_chain = paired_timings(partial(run, spec=None),
                                           partial(controller_run, run, engine, chain, table, mode, chain_decisions),
                                           args.repeats)
@@ -298,7 +296,7 @@ def bench(args) -> dict:
                          "best_fixed_round_kinds": paired_best["spec"]["round_kinds"],
                          "controller_vs_best_fixed": paired_ctl["speedup"] / paired_best["speedup"],
                          "decisions": [[d, w, n] for (d, w), n in sorted(decisions.items())],
-                         "calibration_at_end": calibration_at_end,
+                         "calibration_at_end": paired_ctl["spec"]["calibration"],
                          "chain_controller_speedup": paired_chain["speedup"],
                          "chain_controller_acceptance": paired_chain["spec"]["mean_acceptance"],
                          "chain_decisions": [[d, w, n] for (d, w), n in sorted(chain_decisions.items())],
@@ -376,21 +374,21 @@ def chain_from_batch(rows: list[dict]) -> dict[str, int | None]:
 
 
 def controller_run(run, engine, spec: SpecConfig, table, mode: str, decisions: Counter) -> dict:
-    """``run`` with the controller; every generate starts its own trace, so each run's decisions are counted."""
+    """``run`` with the controller; every generate starts its own trace, so each run's decisions are counted, and
+    its calibration as the run left it (``calibration``: a plain run after it drops the engine's controller)."""
     result = run(spec=spec, controller=table, controller_mode=mode)
     decisions.update(engine.controller.trace)
+    result["calibration"] = calibration_state(engine)
     return result
 
 
 def calibration_state(engine) -> dict:
-    """The controller's calibration after its last run: its exponent, each rank bucket's ratio (accepted /
-    expected, before the cap) and the scale it applies -- how the widths it chose were rated."""
+    """The engine's controller's calibration now: its exponent, each rank bucket's ratio (accepted / expected,
+    before the cap) and the scale it applies -- how the widths it chose were rated."""
     cal = engine.controller.calibration
     alpha, scales = cal.choice()
-    at = ALPHAS.index(float(alpha))
-    overall = (cal.accepted + cal.prior) / (cal.expected[at] + cal.prior)
-    ratio = (cal.accepted_by_rank + cal.prior * overall) / (cal.expected_by_rank[at] + cal.prior)  # as choice()
-    return {"exponent": float(alpha), "ratio_by_rank": ratio.tolist(), "scale_by_rank": (scales / SCALE_ONE).tolist()}
+    return {"exponent": float(alpha), "ratio_by_rank": cal.ratios()[1].tolist(),
+            "scale_by_rank": (scales / SCALE_ONE).tolist()}
 
 
 def _label(spec: SpecConfig) -> str:

@@ -112,8 +112,9 @@ def test_without_a_table_the_costs_are_measured_and_written(tool, tmp_path, monk
     monkeypatch.setattr(SpeculativeEngine, "drafter_changed", lambda self: changed.append(1) or forget(self))
     out = tmp_path / "c.json"
     tool.main(["--shape", "tiny", "--noise", "0.0,untrained", "--concurrency", "1", "--chains", "1", "--trees",
-               "2x2x3", "--max-new-tokens", "6", "--prompt-len", "6", "--repeats", "1", "--num-prompts", "1",
-               "--device", "cpu", "--out", str(out)])
+               "2x2x3", "--max-new-tokens", "6", "--prompt-len", "6", "--repeats", "2", "--num-prompts", "1",
+               "--device", "cpu", "--out", str(out)])  # two repeats: the controller's pairs end on a plain run
+    assert all(len(r["calibration_at_end"]["scale_by_rank"]) == RANK_BUCKETS for r in json.loads(out.read_text())["rows"])
     table = json.loads(out.with_suffix(".costs.json").read_text())
     assert table["version"] == 2 and len(table["round_ms"]) == 1 and table["nodes"][0] == 0 and table["batches"] == [1]
     assert len(profiles) == 1 and len(json.loads(out.read_text())["rows"]) == 2

@@ -4,10 +4,10 @@ host time a round taken from ``--overhead``, and one-line errors."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
-import torch
 
 from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
@@ -75,11 +75,7 @@ def test_rows_and_outputs(tool, setup, tmp_path):
         assert r["acceptance"] >= 1 and r["speedup"] > 0
     # every speedup is plain decoding's modeled time over the run's, each summed over the rounds it took
     plain_ms = saved["plain_rounds"] * saved["plain_round_ms"]
-    from torchspec.runtime.cost_table import CostTable
-
-    table = CostTable.load(costs, None)
-    table.overhead = torch.tensor([0.3, 0.4, 0.5], dtype=table.overhead.dtype)  # --overhead, at batches 1, 4, 512
-    price = tool.Pricer(table, 2, saved["args"]["ctx"])
+    price = tool.Pricer(tool.read_table(argparse.Namespace(**saved["args"])), 2, saved["args"]["ctx"])
     fixed = {"chain1": (1, 1, 1), "chain2": (2, 1, 2), "tree2x2x3": (2, 2, 3), "tree3x2x6": (3, 2, 6)}
     for r in saved["rows"]:
         assert r["speedup"] == pytest.approx(plain_ms / r["modeled_ms"])

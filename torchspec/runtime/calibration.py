@@ -84,17 +84,22 @@ class Calibration:
             self._averages[key] = torch.full((depths, widths), -1, dtype=torch.long, device=self.state.device)
         return self._averages[key]
 
-    def choice(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the exponent, 0-d float64; the scales, [RANK_BUCKETS] int64 in units of SCALE_ONE), no host read: the
-        exponent whose decayed expectation is nearest the accepted tokens (ratio or its inverse smallest; the
-        first, a = 1, on ties), then each rank bucket's ratio under it, its prior pulled to that overall ratio
-        (``(accepted_by_rank + prior * overall) / (expected_by_rank[a] + prior)``): a bucket never verified is
-        read as all nodes are, not as the drafter's confidence as is."""
+    def ratios(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the chosen exponent's index, [1] int64; each rank bucket's ratio under it, [RANK_BUCKETS] float64,
+        uncapped), no host read: the exponent whose decayed expectation is nearest the accepted tokens (ratio or
+        its inverse smallest; the first, a = 1, on ties), then each bucket's ratio, its prior pulled to that
+        overall ratio (``(accepted_by_rank + prior * overall) / (expected_by_rank[a] + prior)``): a bucket never
+        verified is read as all nodes are, not as the drafter's confidence as is."""
         ratio = (self.accepted + self.prior) / (self.expected + self.prior)  # [A]
         at = torch.argmin(torch.maximum(ratio, 1 / ratio)).view(1)  # the first minimum
         overall = ratio.gather(0, at)[0]  # a bucket without evidence of its own is scaled as all nodes are
-        by_rank = ((self.accepted_by_rank + self.prior * overall)
-                   / (self.expected_by_rank.index_select(0, at)[0] + self.prior))
+        return at, ((self.accepted_by_rank + self.prior * overall)
+                    / (self.expected_by_rank.index_select(0, at)[0] + self.prior))
+
+    def choice(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the exponent, 0-d float64; the scales, [RANK_BUCKETS] int64 in units of SCALE_ONE), no host read: the
+        exponent and bucket ratios of ``ratios``, each ratio capped at ``most``."""
+        at, by_rank = self.ratios()
         return self.alphas.gather(0, at)[0], torch.round(by_rank.clamp(max=self.most) * SCALE_ONE).long()
 
     def evidence(self, pool_logp: torch.Tensor, verified: int, row_valid: torch.Tensor) -> torch.Tensor:
