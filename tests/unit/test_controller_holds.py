@@ -178,10 +178,10 @@ def test_served_holds_follow_what_the_rounds_commit(confident, tiny_tokenizer, m
     when no round could pay (a break-even of 1e9), and plain decoding's text either way."""
     ps = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in ("hello there", "the cat sat on", "one two")]
     plain = [r.token_ids for r in confident.generate(ps, max_new_tokens=40, ignore_eos=True)]
-    costs = linear_table(confident, 1e-4, 1e-4, widths=[1, 2, 3], nodes=NODES)
     monkeypatch.setenv(PLANS_ENV, "held")
     held_rounds = {}
-    for need in (0.0, 1e9):
+    for need in (0.0, 1e9):  # a table each: a controller continuing on the same table keeps its break-evens
+        costs = linear_table(confident, 1e-4, 1e-4, widths=[1, 2, 3], nodes=NODES)
         monkeypatch.setattr(controlled_drafting, "break_even_tokens", lambda *a, need=need: need)
         confident.round_kinds.clear()
         out = confident.generate(ps, max_new_tokens=40, spec=SPECS[0], ignore_eos=True, controller=costs)

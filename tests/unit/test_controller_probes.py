@@ -166,6 +166,40 @@ def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):
     assert ctl.trace[-2:] == [(1, 1), PLAIN_ROUND]
 
 
+def test_rounds_past_the_tables_contexts_share_one_lookup_and_a_continued_controller_keeps_them(engine):
+    """A table measured at one context (the trained SmolLM2 drafter's, thirty-third session: 288 tokens) prices
+    every context alike: rounds past its last context (or before its first) share the lookup and the hold's
+    break-even, where a lookup per 64 tokens of context put ~0.4 ms of host time into a deciding round every few
+    rounds. A controller that continues the last one (the engine's next ``configure``) keeps both; a different
+    calibration does not (its RoundCosts hold the calibration)."""
+    from torchspec.runtime.controlled_drafting import CTX_STEP, Controller
+    from torchspec.runtime.sampling import SamplingParams
+
+    costs = table(engine, depth=0.05, verify_per_node=0.02, noise=0.5)  # contexts 16 and 256
+    cal = Calibration(torch.device("cpu"))
+    ctl = Controller(costs, SPECS[0], cal)
+    greedy = SamplingParams()
+    ctl.next_plan = (1, 2)
+    rounds = [ctl.plan(greedy, 2, ctx)[1] for ctx in (256, 300, 1000, 5 * CTX_STEP + 7)]
+    assert all(r.depth_ms is rounds[0].depth_ms for r in rounds) and len(ctl._costs) == 1
+    low = [ctl.plan(greedy, 2, ctx)[1] for ctx in (0, 15, CTX_STEP - 1)]  # below 64: priced at the first context
+    assert low[0].depth_ms is low[2].depth_ms and low[0].depth_ms is not rounds[0].depth_ms
+    needs = {ctl._priced_at(ctx) for ctx in (256, 300, 1000)}
+    assert needs == {256}
+    for ctx in (256, 1000, 4000):
+        ctl._at = (2, ctx)
+        ctl._hold_need(1, 2)
+    assert len(ctl._break_even) == 1
+
+    nxt = Controller(costs, SPECS[0], cal)
+    nxt.continue_from(ctl)
+    nxt.next_plan = (1, 2)
+    assert nxt.plan(greedy, 2, 700)[1].depth_ms is rounds[0].depth_ms and nxt._break_even is ctl._break_even
+    other = Controller(costs, SPECS[0], Calibration(torch.device("cpu")))
+    other.continue_from(ctl)
+    assert other._costs == {} and other._break_even == {}
+
+
 def test_width_0_streaks_run_plain_rounds_and_catch_the_drafter_up_at_the_probe(engine, plain, tiny_tokenizer):
     """Ahead mode: while the plan is width 0, rounds draft nothing (``plain_step_deferring_drafter``) except a probe
     (depth 0, decided again) first and every PROBE_EVERY-th; the text is plain decoding's. Three plain rounds and

@@ -87,7 +87,7 @@ PLAIN_ROUND = (0, 0)  # ahead mode's plan for a round that drafts nothing (steps
 PROBE_EVERY = 8  # while the plan is width 0, the first round and the PROBE_EVERY-th after draft depth 0 and decide
 PROBE_WIDTH = 1  # a probe verifies this many nodes (an underconfident drafter is found out only by verifying it)
 PROBE_MOST = 64  # ... the streak between probes doubling after each probe that plans width 0 again, up to this
-CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, CTX_STEP tokens of context) and kept
+CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, price point: CTX_STEP tokens of context) and kept
 DECIDE_ENV = "TORCHSPEC_CONTROLLER_DECIDE"  # "fused" (default: one Triton kernel on CUDA) or "tensor"
 _UNBUILT: list[str] = []  # why the decision kernel could not be built here, once it could not (then: tensor ops)
 log = logging.getLogger(__name__)
@@ -138,20 +138,31 @@ class Controller:
         ``configure`` calls, as the bench's runs and a long-lived server do): the next greedy plan, the probe
         schedule of a plain streak and the sampled depth, when mode, spec and chain rule are the same. A fresh
         controller would start over with a probe and short streaks every call, as if nothing had been learnt
-        about the drafter (the calibration, which is kept, already says what it is worth)."""
+        about the drafter (the calibration, which is kept, already says what it is worth). With the same table and
+        calibration it also keeps the rounds' looked-up costs and break-evens (each a ~0.4 ms lookup)."""
         if (last.mode, last.plans, last.spec, last.chain_from_batch) == (self.mode, self.plans, self.spec,
                                                                         self.chain_from_batch):
             self.next_plan, self.plain_left, self.streak = last.next_plan, last.plain_left, last.streak
             self.probe_plan = last.probe_plan
             self.sampled_depth = last.sampled_depth
+            if last.table is self.table and last.calibration is self.calibration:  # the same prices: kept, not re-read
+                self._costs, self._break_even = last._costs, last._break_even
+
+    def _priced_at(self, ctx: int) -> int:
+        """The context a round at ``ctx`` committed tokens is priced at: rounded down to ``CTX_STEP``, then clamped
+        to the table's measured contexts as the table clamps it (``CostTable._context``). Rounds past the table's
+        last context share one price, so a run does not look up a table row (~0.4 ms of host time, more than a
+        third of a SmolLM2 step) every ``CTX_STEP`` tokens for the same numbers (thirty-fourth session)."""
+        contexts = self.table.contexts
+        return min(max(ctx // CTX_STEP * CTX_STEP, contexts[0]), contexts[-1])
 
     def _lookup(self, spec: SpecConfig, batch: int, ctx: int, sampled: bool) -> RoundCosts:
-        """``RoundCosts.lookup`` (``lookup_sampled``) at ``ctx`` rounded down to ``CTX_STEP``, kept per key: each
+        """``RoundCosts.lookup`` (``lookup_sampled``) at ``ctx``'s price point (``_priced_at``), kept per key: each
         round gets a fresh ``RoundCosts`` over the kept device tensors."""
-        key = (spec.shape, sampled, batch, ctx // CTX_STEP)
+        at = self._priced_at(ctx)
+        key = (spec.shape, sampled, batch, at)
         kept = self._costs.get(key)
         if kept is None:
-            at = ctx // CTX_STEP * CTX_STEP
             kept = self._costs[key] = (
                 RoundCosts.lookup_sampled(self.table, spec, batch, at, self.calibration) if sampled else
                 RoundCosts.lookup(self.table, spec, batch, at, self.calibration, measured_only=self.mode == "ahead"))
@@ -291,14 +302,14 @@ class Controller:
 
     def _hold_need(self, depth: int, width: int) -> float:
         """The tokens a row-round the held shape of (depth, width) must commit at the last round's batch and
-        context (``round_costs.break_even_tokens``), priced once per context bucket."""
+        context (``round_costs.break_even_tokens``), priced once per price point (``_priced_at``)."""
         batch, ctx = self._at
         shape = self._held_shape(self._base(batch), depth, width)
-        key = (shape, width, batch, ctx // CTX_STEP)
+        at = self._priced_at(ctx)
+        key = (shape, width, batch, at)
         need = self._break_even.get(key)
         if need is None:
-            need = self._break_even[key] = break_even_tokens(self.table, shape, width, batch,
-                                                             ctx // CTX_STEP * CTX_STEP)
+            need = self._break_even[key] = break_even_tokens(self.table, shape, width, batch, at)
         return need
 
 
