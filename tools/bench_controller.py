@@ -384,11 +384,15 @@ def controller_run(run, engine, spec: SpecConfig, table, mode: str, decisions: C
 
 def calibration_state(engine) -> dict:
     """The engine's controller's calibration now: its exponent, each rank bucket's ratio (accepted / expected,
-    before the cap) and the scale it applies -- how the widths it chose were rated."""
+    before the cap) and the scale it applies -- how the widths it chose were rated -- and the decayed evidence
+    behind each ratio (the accepted path's nodes and the verified nodes' expectation under that exponent, per
+    bucket): a bucket the chosen widths seldom verify has little, and its ratio leans on the overall one."""
     cal = engine.controller.calibration
     alpha, scales = cal.choice()
-    return {"exponent": float(alpha), "ratio_by_rank": cal.ratios()[1].tolist(),
-            "scale_by_rank": (scales / SCALE_ONE).tolist()}
+    at, ratios = cal.ratios()
+    return {"exponent": float(alpha), "ratio_by_rank": ratios.tolist(), "scale_by_rank": (scales / SCALE_ONE).tolist(),
+            "accepted_by_rank": cal.accepted_by_rank.double().tolist(),
+            "expected_by_rank": cal.expected_by_rank.index_select(0, at)[0].double().tolist()}
 
 
 def _label(spec: SpecConfig) -> str:

@@ -57,6 +57,8 @@ def test_rows_hold_the_issue_keys_and_the_best_fixed_shape(result):
         cal = r["calibration_at_end"]  # how the held controller's widths were rated
         assert cal["exponent"] in ALPHAS and len(cal["ratio_by_rank"]) == len(cal["scale_by_rank"]) == RANK_BUCKETS
         assert all(0 <= s <= 4.0 for s in cal["scale_by_rank"])  # Calibration(most=4.0)
+        assert len(cal["accepted_by_rank"]) == len(cal["expected_by_rank"]) == RANK_BUCKETS
+        assert cal["expected_by_rank"][0] > 0 and all(a >= 0 for a in cal["accepted_by_rank"])  # rank 0 is verified
     assert set(data["chain_from_batch"]) == {"controlled_noise0.0", "untrained"}
     assert "priced" in data["chain_from_batch_basis"]
     assert data["cuda_graphs"] is False and not out.with_suffix(".costs.json").exists()  # --costs: none measured
