@@ -31,6 +31,10 @@
 #   "&& cd /tmp/snap && DRAFTER_PARTS='.carryD .carryE' bash tools/device_quality.sh restore", and serves it:
 #   SERVE="eagle4=/tmp/work/restored_eagle4" ... quality (no regeneration or training in that lease).
 #   The calls must follow each other within the machine's 30 s idle window, or /tmp is gone.
+#   Serving a kept drafter in four calls instead of five (a call takes ~56 MB besides the ~11 MB tree): hardlink
+#   smol.part1 alone into .carryP; smol.part2 + drafter.part000 into .carryF, smol.part3 + part001 into .carryG,
+#   parts 002-004 into .carryH, drafter_parts.json into each; call 1 carries .whl .carryP, calls 2-4 .carryF,
+#   .carryG, .carryH, the last going on with DRAFTER_PARTS='.carryF .carryG .carryH' ... restore.
 #
 # stage: SWEEP=1 times the attention planner's split counts against explicit ones (alone on the GPU: call 1);
 # PROFILE=1 profiles a SmolLM2-shaped round phase by phase (tools/profile_round.py), and the controller's chain
@@ -193,10 +197,11 @@ stage)
   # importlib.metadata needs torchspec's own record (the repo runs from PYTHONPATH, not installed)
   mkdir -p /tmp/site/torchspec-0.1.0.dist-info && printf 'Metadata-Version: 2.1\nName: torchspec\nVersion: 0.1.0\n' \
     > /tmp/site/torchspec-0.1.0.dist-info/METADATA
-  # the target's first half: in .carryA (with the ShareGPT users' turns) or .carryR (with regen_data.tgz instead)
+  # the target's first half: in .carryA (with the ShareGPT users' turns), .carryR (with regen_data.tgz instead) or
+  # .carryP (alone: serving a kept drafter)
   rm -f "$W/smol.part1"  # a part left by an earlier call must not pass the check below
-  for d in .carryA .carryR; do [ -f "$CARRY/$d/smol.part1" ] && cp "$CARRY/$d/smol.part1" "$W/" && break; done
-  [ -f "$W/smol.part1" ] || { echo "stage: no smol.part1 in $CARRY/.carryA or $CARRY/.carryR; carry one (header)"; exit 2; }
+  for d in .carryA .carryR .carryP; do [ -f "$CARRY/$d/smol.part1" ] && cp "$CARRY/$d/smol.part1" "$W/" && break; done
+  [ -f "$W/smol.part1" ] || { echo "stage: no smol.part1 in $CARRY/.carryA, .carryR or .carryP; carry one (header)"; exit 2; }
   # the ShareGPT users' turns (not carried when REGEN_TGZ brings the regenerated data instead)
   [ -f "$CARRY/.carryA/sg_users.jsonl.gz" ] && gunzip -c "$CARRY/.carryA/sg_users.jsonl.gz" > "$W/sg_users.jsonl"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/gpu.txt"

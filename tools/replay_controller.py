@@ -191,7 +191,9 @@ def replay(args) -> dict:
         print(f"  depth {r['depth']}: {r['expected']:8.2f} / {r['expected_raw']:8.2f} / {r['accepted']:6d}")
     end = rows[-1]["calibration_at_end"]
     print(f"the calibration at the end: exponent {end['exponent']}, by rank bucket (1, 2-3, 4-7, ...) ratio "
-          f"{[round(x, 2) for x in end['ratio_by_rank']]}, scale {[round(x, 2) for x in end['scale_by_rank']]}")
+          f"{[round(x, 2) for x in end['ratio_by_rank']]}, scale {[round(x, 2) for x in end['scale_by_rank']]}, "
+          f"evidence accepted {[round(x, 1) for x in end['accepted_by_rank']]} / expected "
+          f"{[round(x, 1) for x in end['expected_by_rank']]}")
     if args.out:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out, json.dumps(out, indent=1))
