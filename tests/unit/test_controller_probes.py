@@ -166,6 +166,37 @@ def test_round_costs_are_looked_up_once_per_batch_and_context_step(engine):
     assert ctl.trace[-2:] == [(1, 1), PLAIN_ROUND]
 
 
+@pytest.mark.parametrize("plans", ["held", "average", "last"])
+def test_a_probe_that_paid_drafts_again_whatever_its_estimates_said(engine, plans, monkeypatch):
+    """A probe that committed its shape's break-even (tokens a row-round against a plain step's cost) plans its own
+    shape next, undecided by the estimates and unheld, so the next round decides on fresh ratings; one that did not
+    pay keeps the width-0 plan, and a deciding round that is not a probe keeps whatever it planned. On this CPU a
+    second run of the trained SmolLM2 drafter over the same 8 MT-Bench prompts otherwise spent 53 of one prompt's
+    61 rounds plain behind probes that each accepted their token (thirty-fourth session)."""
+    from torchspec.runtime.controlled_drafting import PLAIN_ROUND, Controller
+    from torchspec.runtime.plan_averages import PLANS_ENV
+    from torchspec.runtime.sampling import SamplingParams
+
+    monkeypatch.setenv(PLANS_ENV, plans)
+    ctl = Controller(table(engine, depth=0.05, verify_per_node=0.02), SPECS[0], Calibration(torch.device("cpu")))
+    greedy = SamplingParams()
+    ctl.next_plan = (1, 0)  # width 0: the next round is a probe
+    _, probe = ctl.plan(greedy, 2, 100)
+    assert ctl.probing and probe.plan[1] >= 1
+    need = ctl._hold_need(*probe.plan)
+    assert 1 < need < 2
+    ctl.after(probe, [1, 0, *probe.plan], tokens=int(need * 2) + 1, rows=2)  # paid: its own shape next
+    assert ctl.next_plan == tuple(probe.plan) and ctl.hold.left == 0
+    _, again = ctl.plan(greedy, 2, 100)
+    assert again is not None and again.plan == tuple(probe.plan) and not ctl.probing and ctl.held is None
+    ctl.after(again, [1, 0, *probe.plan], tokens=6, rows=2)  # not a probe: its width-0 plan stands
+    assert ctl.next_plan[1] == 0
+    ctl.plain_left = 0
+    _, probe = ctl.plan(greedy, 2, 100)
+    ctl.after(probe, [1, 0, *probe.plan], tokens=2, rows=2)  # a probe that did not pay: plain again
+    assert ctl.next_plan[1] == 0 and ctl.plan(greedy, 2, 100)[1].plan == PLAIN_ROUND
+
+
 def test_rounds_past_the_tables_contexts_share_one_lookup_and_a_continued_controller_keeps_them(engine):
     """A table measured at one context (the trained SmolLM2 drafter's, thirty-third session: 288 tokens) prices
     every context alike: rounds past its last context (or before its first) share the lookup and the hold's

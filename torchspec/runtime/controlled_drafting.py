@@ -118,6 +118,7 @@ class Controller:
         self._at = (0, 0)  # the last greedy round's (padded batch, context): where a hold's break-even is priced
         self._break_even: dict[tuple, float] = {}  # (shape, width, batch, ctx bucket) -> break_even_tokens
         self.held: tuple[int, int] | None = None  # the (depth, width) this round drafts held; None: decides or plain
+        self.probing = False  # this greedy round is a width-0 plan's probe (a probe that pays drafts again: after)
         self.chain = dataclasses.replace(spec, shape="chain")
         self.trace: list[tuple[int, int]] = []
         self.sampled_depths: list[int] = []
@@ -176,7 +177,7 @@ class Controller:
         ``chain_from_batch`` rows on; ahead mode: the shape the previous greedy round planned, its depth and
         width as ``spec``'s depth and node count and in ``costs.plan``); a sampled tree drafts the depth the
         previous sampled round chose; deterministic candidates at T > 0 keep ``spec`` (no costs)."""
-        self.held = None
+        self.held, self.probing = None, False
         if params.greedy:
             base = self._base(batch)
             if self.mode == "within":
@@ -196,9 +197,9 @@ class Controller:
                 return base, self._plain
             elif self.averaged:  # a probe drafts the table's best verifying shape (module docstring)
                 depth, width = self._allowed(self.probe_plan, base, params)
-                width = max(width, PROBE_WIDTH)
+                width, self.probing = max(width, PROBE_WIDTH), True
             else:  # a probe verifies the drafter's best candidate: evidence for the calibration either way
-                width = PROBE_WIDTH
+                width, self.probing = PROBE_WIDTH, True
             costs = self._lookup(base, batch, ctx, sampled=False)
             costs.plan = (depth, width)
             self._flush_if_deferred(costs)
@@ -290,7 +291,10 @@ class Controller:
             return
         if costs.plan is not None:
             self.next_plan = (int(plan[0]), int(plan[1]))
-            if self.plans == "held" and self.next_plan == tuple(costs.plan) and self.next_plan[1] > 0:
+            if self.probing and self.next_plan[1] == 0 and tokens >= self._hold_need(*costs.plan) * rows:
+                self.next_plan = tuple(costs.plan)  # a probe that paid drafts again, and decides (no hold)
+                self.hold.stop()
+            elif self.plans == "held" and self.next_plan == tuple(costs.plan) and self.next_plan[1] > 0:
                 depth, width = self.next_plan
                 self.hold.start(self._hold_need(depth, width), tokens, rows, most=1 + min(depth, width))
             else:
