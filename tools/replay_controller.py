@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decide-ms", type=float, default=0.0,
                    help="what a deciding round pays that a fixed shape's does not (ms; thirtieth session, H100: "
                         "~0.11 at batch 64): off fixed shapes' and held rounds' prices")
+    p.add_argument("--runs", type=int, default=1, help="serve the prompts this many times with the controller, each "
+                   "run going on from the last one's plans and calibration (as the bench's repeats and a server do); "
+                   "its row is the last run's, speedup_by_run every run's")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--cache-dir", default="~/.cache/torchspec")
@@ -145,7 +148,7 @@ class Pricer:
 
 def replay(args) -> dict:
     for flag, v in (("--num-prompts", args.num_prompts), ("--concurrency", args.concurrency),
-                    ("--max-new-tokens", args.max_new_tokens), ("--prompt-len", args.prompt_len)):
+                    ("--max-new-tokens", args.max_new_tokens), ("--prompt-len", args.prompt_len), ("--runs", args.runs)):
         check_at_least(flag, v, 1)
     for plans in args.plans.split(","):
         if plans not in PLANS:
@@ -184,7 +187,8 @@ def replay(args) -> dict:
            "plain_rounds": plain_rounds, "host_ms": price.host, "rows": rows}
     for r in rows:
         print(f"{r['mode']:<16} acceptance {r['acceptance']:.2f}  modeled x{r['speedup']:.2f}"
-              + (f"  plans {r['plans'][:6]}" if "plans" in r else ""))
+              + (f"  plans {r['plans'][:6]}  plain rounds {r['plain_rounds']}  by run "
+                 f"{[round(x, 3) for x in r['speedup_by_run']]}" if "plans" in r else ""))
     print("the controller's verified nodes by depth: expected tokens as the calibration read them / the drafter's "
           "own path probabilities / accepted")
     for r in rows[-1]["calibration_by_depth"]:
@@ -206,19 +210,24 @@ def replay_plans(engine, args, bound: SpecConfig, plans: str, price: Pricer, run
     own): its row, each round priced (held rounds without the decision; chains at width 1), its speedup
     ``plain_ms`` (plain decoding's modeled time) over the sum."""
     table = load_table(args, engine)
-    engine.round_kinds.clear()
-    with plans_env(plans), DepthEvidence(bound.topk) as by_depth:
-        tokens, acc, rounds = run(spec=bound, controller=table)
-    if tokens != plain:
-        raise AssertionError(f"the controller's greedy output ({plans} plans) differs from plain decoding")
-    ctl = engine.controller
-    k = 1 if ctl._base(args.concurrency).shape == "chain" else bound.topk
-    held = sum(n for kind, (n, _) in engine.round_kinds.items() if kind.startswith("held"))
-    cost = sum(price.round(d, k, w) for d, w in ctl.trace) - held * price.decide
-    assert len(ctl.trace) == rounds, (len(ctl.trace), rounds)  # the trace has one entry a batched round
+    speedups = []
+    for _ in range(args.runs):  # later runs go on from the last one's plans and calibration (``continue_from``)
+        engine.round_kinds.clear()
+        with plans_env(plans), DepthEvidence(bound.topk) as by_depth:
+            tokens, acc, rounds = run(spec=bound, controller=table)
+        if tokens != plain:
+            raise AssertionError(f"the controller's greedy output ({plans} plans) differs from plain decoding")
+        ctl = engine.controller
+        k = 1 if ctl._base(args.concurrency).shape == "chain" else bound.topk
+        held = sum(n for kind, (n, _) in engine.round_kinds.items() if kind.startswith("held"))
+        plain_rounds = sum(n for kind, (n, _) in engine.round_kinds.items() if kind.startswith("plain"))
+        cost = sum(price.round(d, k, w) for d, w in ctl.trace) - held * price.decide
+        assert len(ctl.trace) == rounds, (len(ctl.trace), rounds)  # the trace has one entry a batched round
+        speedups.append(plain_ms / cost if rounds else 0.0)
     return {"mode": "controller" if plans == DEFAULT_PLANS else f"controller ({plans})", "plans_how": plans,
             "acceptance": sum(acc) / len(acc), "rounds": rounds, "modeled_ms": cost, "held_rounds": held,
-            "drafts": "chain" if k == 1 else "tree", "speedup": plain_ms / cost if rounds else 0.0,
+            "plain_rounds": plain_rounds, "drafts": "chain" if k == 1 else "tree", "speedup": speedups[-1],
+            "speedup_by_run": speedups,
             "plans": [[d, w, n] for (d, w), n in collections.Counter(ctl.trace).most_common()],
             "calibration_by_depth": by_depth.rows(), "calibration_at_end": calibration_state(engine)}
 

@@ -100,12 +100,26 @@ def test_the_controlled_pair_replays_without_a_target(tool, setup, tmp_path):
     assert result["rows"][1]["acceptance"] > 1.2  # noise 0: the controlled drafter agrees with its target
 
 
+def test_later_runs_go_on_from_the_last_ones_state(tool, setup):
+    """``--runs 2``: the controller serves the prompts twice on one table and calibration, each run priced; the row
+    is the second run's (its own rounds and plans), and the first run's speedup is the one-run replay's."""
+    args = ["--shape", "tiny", "--noise", "0.0", "--costs", str(setup[3]), "--num-prompts", "2", "--prompt-len", "16",
+            "--max-new-tokens", "16", "--chains", "1", "--trees", "2x2x4"]
+    one = tool.main(args)["rows"][-1]
+    two = tool.main([*args, "--runs", "2"])["rows"][-1]
+    assert len(one["speedup_by_run"]) == 1 and len(two["speedup_by_run"]) == 2
+    assert two["speedup_by_run"][0] == pytest.approx(one["speedup"]) and two["speedup"] == two["speedup_by_run"][1]
+    assert two["rounds"] == sum(n for _, _, n in two["plans"]) and two["plain_rounds"] >= 0
+    assert two["plans"] != one["plans"] or two["calibration_at_end"] != one["calibration_at_end"]  # went on
+
+
 @pytest.mark.parametrize("change, text", [(["--overhead", "1=0.3"], "lacks the table's batches"),
                                           (["--overhead", "1:0.3"], "BATCH=MS"),
                                           (["--trees", "3x2"], "--trees entry"),
                                           (["--shape", "tiny"], "not both or neither"),
                                           (["--plans", "average,avg"], "--plans entry 'avg'"),
-                                          (["--decide-ms", "-1"], "--decide-ms -1.0 must be >= 0")])
+                                          (["--decide-ms", "-1"], "--decide-ms -1.0 must be >= 0"),
+                                          (["--runs", "0"], "--runs")])
 def test_bad_input_is_one_line(tool, setup, capsys, change, text):
     root, target, drafter, costs = setup
     with pytest.raises(SystemExit) as err:
