@@ -31,7 +31,8 @@ tokens in the round's one sync: the host never waits inside a round, and every p
 round that CUDA graphs capture. A planned width 0 starts a plain streak: its first round (a probe) drafts
 depth 0 alone, verifies the root and its best candidate (``PROBE_WIDTH``: a probe that verified nothing gave
 the calibration no evidence) and decides again (averaged plans: the probe drafts the table's best verifying
-shape, ``plan_averages``); the next ``PROBE_EVERY - 1`` rounds are plain steps (twice as many after each
+shape, ``plan_averages``; a probe whose rows committed its shape's break-even drafts that shape next, deciding,
+whatever it planned); the next ``PROBE_EVERY - 1`` rounds are plain steps (twice as many after each
 probe that plans width 0 again, up to ``PROBE_MOST - 1``; a round that verifies resets the streak) whose drafter entries are deferred
 (``steps.plain_step_deferring_drafter``, ``pending_drafter.py``) until the next drafting round catches up on
 them in one forward (``RoundCosts.flush``). ``"within"`` decides inside the round, after every depth, on the
