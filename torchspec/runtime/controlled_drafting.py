@@ -117,7 +117,7 @@ class Controller:
         self.averaged = self.plans in AVERAGED
         self.hold = Hold()  # plans "held": the rounds left that run the last plan undecided, and what they commit
         self._at = (0, 0)  # the last greedy round's (padded batch, context): where a hold's break-even is priced
-        self._break_even: dict[tuple, float] = {}  # (shape, width, batch, ctx bucket) -> break_even_tokens
+        self._break_even: dict[tuple, float] = {}  # (shape, width, batch, price point) -> break_even_tokens
         self.held: tuple[int, int] | None = None  # the (depth, width) this round drafts held; None: decides or plain
         self.probing = False  # this greedy round is a width-0 plan's probe (a probe that pays drafts again: after)
         self.chain = dataclasses.replace(spec, shape="chain")
@@ -285,7 +285,8 @@ class Controller:
     def after(self, costs: RoundCosts | None, plan: list[int] | None, tokens: int, rows: int) -> None:
         """After the round's host sync, with the plan it wrote (``StepOut.plan``, read in that sync) and the tokens
         its ``rows`` live rows committed: the next greedy round's (depth, width) in ahead mode, the next sampled
-        round's depth; with plans "held", whether a hold starts, goes on or ends (``held_plans.py``)."""
+        round's depth; with plans "held", whether a hold starts, goes on or ends (``held_plans.py``); a probe that
+        committed its shape's break-even drafts that shape next whatever it planned (module docstring)."""
         if self.held is not None:  # a held round: its plan goes on only while it pays
             self.hold.observe(tokens, rows)
         if costs is None or plan is None:
