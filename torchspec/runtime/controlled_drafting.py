@@ -152,11 +152,10 @@ class Controller:
 
     def _priced_at(self, ctx: int) -> int:
         """The context a round at ``ctx`` committed tokens is priced at: rounded down to ``CTX_STEP``, then clamped
-        to the table's measured contexts as the table clamps it (``CostTable._context``). Rounds past the table's
-        last context share one price, so a run does not look up a table row (~0.4 ms of host time, more than a
-        third of a SmolLM2 step) every ``CTX_STEP`` tokens for the same numbers (thirty-fourth session)."""
-        contexts = self.table.contexts
-        return min(max(ctx // CTX_STEP * CTX_STEP, contexts[0]), contexts[-1])
+        as the table clamps it (``CostTable.clamp_context``). Rounds past the table's last context share one price,
+        so a run does not look up a table row (~0.4 ms of host time, more than a third of a SmolLM2 step) every
+        ``CTX_STEP`` tokens for the same numbers (thirty-fourth session)."""
+        return self.table.clamp_context(ctx // CTX_STEP * CTX_STEP)
 
     def _lookup(self, spec: SpecConfig, batch: int, ctx: int, sampled: bool) -> RoundCosts:
         """``RoundCosts.lookup`` (``lookup_sampled``) at ``ctx``'s price point (``_priced_at``), kept per key: each
@@ -308,7 +307,8 @@ class Controller:
 
     def _hold_need(self, depth: int, width: int) -> float:
         """The tokens a row-round the held shape of (depth, width) must commit at the last round's batch and
-        context (``round_costs.break_even_tokens``), priced once per price point (``_priced_at``)."""
+        context (``round_costs.break_even_tokens``), priced once per price point (``_priced_at``): a hold's bar,
+        and a probe's (``after``; a chain probe is priced as the chain of its width, the shape a hold would draft)."""
         batch, ctx = self._at
         shape = self._held_shape(self._base(batch), depth, width)
         at = self._priced_at(ctx)

@@ -186,7 +186,7 @@ class CostTable:
     def _at(self, times: torch.Tensor, batch: int, ctx: int) -> torch.Tensor:
         """``times`` [C, B, ...] at (batch, ctx): interpolated over batches, then over contexts -> [...]."""
         by_batch = _lerp(self.batches, times.transpose(0, 1), [self._batch(batch)])[0]  # [C, ...]
-        return _lerp(self.contexts, by_batch, [self._context(ctx)])[0]
+        return _lerp(self.contexts, by_batch, [float(self.clamp_context(ctx))])[0]
 
     def _batch(self, batch: int) -> float:
         """``batch`` as a point on the measured batches: refused above the last, the first below it (warned)."""
@@ -200,10 +200,12 @@ class CostTable:
                         self.batches, batch)
         return float(max(batch, self.batches[0]))
 
-    def _context(self, ctx: int) -> float:
+    def clamp_context(self, ctx: int) -> int:
+        """``ctx`` committed tokens as a point on the measured contexts: clamped to the first and the last (module
+        docstring), so every context beyond them costs what they cost."""
         if ctx < 0:
             raise ValueError(f"ctx={ctx} committed tokens must be >= 0.")
-        return float(min(max(ctx, self.contexts[0]), self.contexts[-1]))  # clamped (module docstring)
+        return min(max(ctx, self.contexts[0]), self.contexts[-1])
 
     # --- files ----------------------------------------------------------------------------------
 
