@@ -1,6 +1,6 @@
 """What the draft controller's decision after a round costs on the GPU: tensor operations against one Triton kernel.
 
-Ahead mode decides after every round (``controlled_drafting._decide_ahead``): the calibration's choice of
+Ahead mode decides after every round (``controlled_rounds._decide_ahead``): the calibration's choice of
 exponent and scale, the criterion at each drafted depth, the next round's plan and the calibration's evidence:
 ~130 small kernels inside the round's CUDA graph as tensor operations (``Calibration.choice`` / ``evidence``,
 ``controller_policy.decide_every_depth``), one as ``decide_triton.decide_every_depth_fused``. This times both the way a round
@@ -32,7 +32,7 @@ from recipes.bench import csv_values  # noqa: E402
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
 from torchspec.runtime.calibration import Calibration  # noqa: E402
-from torchspec.runtime.controlled_drafting import decide_every_depth_calibrated  # noqa: E402
+from torchspec.runtime.controlled_rounds import decide_every_depth_calibrated  # noqa: E402
 from torchspec.runtime.cost_profile import graph_replay  # noqa: E402
 from torchspec.runtime.drafting import pool_steps  # noqa: E402
 
@@ -109,7 +109,7 @@ def decide_tensor(r: dict, verified: int):
 
 
 def decide_fused(r: dict, verified: int):
-    """The same with the kernel (``controlled_drafting._decide_ahead`` on CUDA)."""
+    """The same with the kernel (``controlled_rounds._decide_ahead`` on CUDA)."""
     from torchspec.runtime.decide_triton import decide_every_depth_fused
 
     plan, r["cal"].pending = decide_every_depth_fused(r["pool"], r["sizes"], r["fronts"], r["edges"], r["depth_ms"],

@@ -141,14 +141,41 @@ def summarize(mode: str, rounds: list[dict]) -> dict:
             "round_ms": med("round_ms")}
 
 
+def by_kind(mode: str, rounds: list[dict], least: int = 3) -> list[dict]:
+    """``summarize`` per round kind (``engine.round_kinds``' labels: a deciding round's plan ``d2w16``, a held
+    one's ``held d2w16``, ``plain-deferring``...), rows named "<mode> <kind>", kinds of ``least`` replayed
+    rounds or more, most rounds first: what a deciding round costs beside the held round of the same plan, on
+    the GPU (``gpu_ms``) and on the host (``gap_ms``, ``round_ms``)."""
+    kinds: dict[str, list[dict]] = {}
+    for r in rounds:
+        if r.get("kind") is not None:
+            kinds.setdefault(r["kind"], []).append(r)
+    rows = [summarize(f"{mode} {kind}", rs) for kind, rs in kinds.items()]
+    return sorted((r for r in rows if r["rounds"] >= least), key=lambda r: -r["rounds"])
+
+
+def label_rounds(rounds: list[dict], kinds: list[str]) -> list[dict]:
+    """Each traced round given its kind (``kinds``: the labels ``annotated_rounds`` recorded, in order)."""
+    if len(kinds) != len(rounds):  # a round the trace lost: labels would shift, so none is given
+        return rounds
+    for r, kind in zip(rounds, kinds):
+        r["kind"] = kind
+    return rounds
+
+
 @contextlib.contextmanager
-def annotated_rounds():
-    """``engine_forwards.decode_round`` inside a ``decode_round`` profiler annotation (restored after)."""
+def annotated_rounds(kinds: list[str] | None = None):
+    """``engine_forwards.decode_round`` inside a ``decode_round`` profiler annotation (restored after); each
+    round's label (the key of ``engine.round_kinds`` its call counted in) appended to ``kinds``."""
     original = engine_forwards.decode_round
 
-    def decode_round(*args, **kwargs):
+    def decode_round(engine, *args, **kwargs):
+        before = {k: v[0] for k, v in engine.round_kinds.items()}
         with torch.profiler.record_function(ROUND):
-            return original(*args, **kwargs)
+            out = original(engine, *args, **kwargs)
+        if kinds is not None:
+            kinds.append(next((k for k, v in engine.round_kinds.items() if v[0] != before.get(k, 0)), "?"))
+        return out
     engine_forwards.decode_round = decode_round
     import torchspec.runtime.engine as engine_module
     engine_module.decode_round = decode_round
@@ -159,10 +186,10 @@ def annotated_rounds():
         engine_module.decode_round = original
 
 
-def profile_run(run, cuda: bool) -> list[dict]:
-    """The chrome-trace events of ``run()`` under the profiler."""
+def profile_run(run, cuda: bool, kinds: list[str] | None = None) -> list[dict]:
+    """The chrome-trace events of ``run()`` under the profiler (its rounds' labels appended to ``kinds``)."""
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with annotated_rounds(), torch.profiler.profile(activities=activities) as prof:
+    with annotated_rounds(kinds), torch.profiler.profile(activities=activities) as prof:
         run()
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "trace.json"
@@ -217,18 +244,23 @@ def timeline(args) -> dict:
     cuda = engine.device.type == "cuda"
     modes = {"plain": {"spec": None}, f"fixed tree{args.tree}": {"spec": tree},
              "controller": {"spec": tree, "controller": table}}
-    rows, panels = [], []
+    rows, panels, kind_rows = [], [], []
     for mode, kw in modes.items():
         def run(max_new=args.max_new_tokens, kw=kw):
             engine.generate(prompts, max_new_tokens=max_new, concurrency=args.concurrency, seed=args.seed, **kw)
         run()  # graph captures and the controller's plans settle outside the trace
-        rounds = round_stats(profile_run(run, cuda))
+        kinds: list[str] = []
+        rounds = label_rounds(round_stats(profile_run(run, cuda, kinds)), kinds)
         rows.append(summarize(mode, rounds))
         panels.append((mode, rounds))
         print(format_row(rows[-1]), flush=True)
+        if "controller" in kw:  # a deciding round beside the held round of its plan
+            kind_rows.extend(by_kind(mode, rounds))
+            for r in kind_rows:
+                print("  " + format_row(r), flush=True)
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "drafter": name,
            "target": args.target or args.shape, "concurrency": args.concurrency, "cuda_graphs": engine.graphs is not None,
-           "args": vars(args), "rows": rows}
+           "args": vars(args), "rows": rows, "controller_by_kind": kind_rows}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps(out, indent=1))
     if args.plot:

@@ -134,7 +134,7 @@ def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]
     adds (the criterion at every depth, the next round's plan, the calibration's evidence), as tensor ops (the
     CPU's path) and as CUDA runs it (the decision its ``DECISION_LAUNCHES`` Triton launches: ``gpu_ops``), and
     its plain round (a plain step that defers the drafter's entry)."""
-    from torchspec.runtime import controlled_drafting
+    from torchspec.runtime import controlled_rounds
     from torchspec.runtime.calibration import Calibration
     from torchspec.runtime.drafting import SpecConfig
     from torchspec.runtime.round_costs import RoundCosts
@@ -153,13 +153,13 @@ def controlled_rows(engine, inp, plain: int, bt, ctx, root, valid) -> list[dict]
                                                              greedy, None))
         ctl, counts = count(lambda s=spec, c=costs: speculate(engine.decoder, engine.runner, engine.caches, inp, s,
                                                               greedy, None, costs=c))
-        tensor_decide = controlled_drafting.decide_every_depth_calibrated
-        controlled_drafting.decide_every_depth_calibrated = as_launches(tensor_decide, DECISION_LAUNCHES)
+        tensor_decide = controlled_rounds.decide_every_depth_calibrated
+        controlled_rounds.decide_every_depth_calibrated = as_launches(tensor_decide, DECISION_LAUNCHES)
         try:
             gpu, gpu_counts = count(lambda s=spec, c=costs: speculate(engine.decoder, engine.runner, engine.caches,
                                                                       inp, s, greedy, None, costs=c))
         finally:
-            controlled_drafting.decide_every_depth_calibrated = tensor_decide
+            controlled_rounds.decide_every_depth_calibrated = tensor_decide
         fixed_name = f"fixed tree d{depth} k8 n{width}" if shape == "tree" else f"fixed chain d{depth}"
         rows.append({"step": fixed_name, "ops": fixed, "in_plain_steps": fixed / plain})
         rows.append({"step": f"controller {shape} ({depth}, {width})", "ops": ctl, "in_plain_steps": ctl / plain,

@@ -206,7 +206,7 @@ def controller_phases(engine, args, inp, params) -> dict:
     costs are synthetic (a depth 0.1 ms, verifying n nodes 1 + 0.01 n ms): the decision's work does not depend
     on them."""
     from torchspec.runtime.calibration import Calibration
-    from torchspec.runtime.controlled_drafting import draft_ahead_tree
+    from torchspec.runtime.controlled_rounds import draft_ahead_tree
     from torchspec.runtime.drafting import SpecConfig
     from torchspec.runtime.plan_averages import AVERAGED, plans_how
     from torchspec.runtime.round_costs import RoundCosts

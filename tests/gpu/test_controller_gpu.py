@@ -94,7 +94,7 @@ def test_recorded_real_rounds_decide_on_the_gpu_like_the_reference(pair, tiny_to
     ("within": ``decide_after_depth`` after each depth) and planned ahead (``decide_every_depth`` after the round,
     and the decision kernel: each depth's go flag and width against the reference at that depth, the next
     round's plan, and the kernel's calibration evidence against ``Calibration.evidence``)."""
-    import torchspec.runtime.controlled_drafting as cd
+    import torchspec.runtime.controlled_rounds as cd
 
     within, ahead = [], []
     real_after, real_every = cd.decide_after_depth, cd.decide_every_depth
@@ -166,7 +166,7 @@ def test_recorded_real_rounds_average_plans_on_the_gpu_like_the_tensor_twin(pair
     against ``decide_every_depth_calibrated`` on the same inputs and a copy of the same table -- the plan (go
     flags, widths, next round, probe), the estimates, the evidence and the table folded in place all equal."""
     import torchspec.runtime.decide_triton as dt
-    from torchspec.runtime.controlled_drafting import decide_every_depth_calibrated
+    from torchspec.runtime.controlled_rounds import decide_every_depth_calibrated
 
     real_fused, calls = dt.decide_every_depth_fused, []
 
@@ -235,7 +235,7 @@ def test_a_decision_kernel_that_cannot_be_built_falls_back_to_tensor_ops(pair, t
     the output still plain decoding's and every planned shape still a graph."""
     import triton.errors
 
-    import torchspec.runtime.controlled_drafting as cd
+    import torchspec.runtime.controlled_rounds as cd
     import torchspec.runtime.decide_triton as dt
 
     def unbuildable(*args, **kwargs):

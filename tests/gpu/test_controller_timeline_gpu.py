@@ -25,3 +25,5 @@ def test_every_graphed_round_syncs_once_after_its_launches(tmp_path):
         assert row["rounds"] >= 5, row
         assert row["syncs_before_last_launch"] == 0 and row["syncs_per_round"] == 1, row
         assert row["launches_per_round"] >= 1 and row["gpu_ms"] > 0 and row["gap_ms"] is not None, row
+    for row in out["controller_by_kind"]:  # a kind's rounds replay one graph: the same sync, once, at the end
+        assert row["syncs_before_last_launch"] == 0 and row["syncs_per_round"] == 1 and row["gpu_ms"] > 0, row

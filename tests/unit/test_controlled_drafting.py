@@ -174,7 +174,7 @@ def test_ahead_rounds_draft_what_the_round_before_planned(confident, plain, tiny
     """Ahead mode: each greedy round's (depth, width) is the plan the previous round wrote on the device (clamped to
     the spec and to an allowed width), the first round drafts depth 0 alone, and depths grow one a round at most.
     Every round decides here ("average"; the default's held rounds run a plan undecided: test_controller_holds)."""
-    import torchspec.runtime.controlled_drafting as cd
+    import torchspec.runtime.controlled_rounds as cd
     from torchspec.runtime.plan_averages import PLANS_ENV
 
     monkeypatch.setenv(PLANS_ENV, "average")
@@ -233,7 +233,7 @@ def test_ahead_plans_equal_the_criterion_taken_depth_by_depth(confident, tiny_to
     "average": ``reference_plan_from`` the averaged table after ``reference_fold`` of the round's
     ``reference_round_estimates``, the table in the runtime equal to it -- and the calibration's evidence is
     ``expected_tokens`` of the verified nodes."""
-    import torchspec.runtime.controlled_drafting as cd
+    import torchspec.runtime.controlled_rounds as cd
     import torchspec.runtime.steps as steps
     from torchspec.runtime.controller_policy import PROB_ONE, expected_tokens
     from torchspec.runtime.controller_reference import reference_next_plan

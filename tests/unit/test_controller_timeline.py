@@ -50,6 +50,21 @@ def test_round_stats_count_waits_inside_and_at_the_end(tool):
     assert row["rounds"] == 2 and row["captured_rounds"] == 1 and row["syncs_before_last_launch"] == 0
 
 
+def test_rounds_split_by_kind_compare_a_deciding_round_with_the_held_round_of_its_plan(tool):
+    """Rows per round kind: labels in the order the rounds ran; a kind of fewer than 3 replayed rounds, and a round
+    that captured a graph, are left out; a trace whose round count differs from the labels' gets no kinds."""
+    rounds = tool.round_stats([e for i in range(7) for e in _round(200 * i, False)])
+    kinds = ["d2w16", "held d2w16", "held d2w16", "d2w16", "held d2w16", "d2w16", "plain-deferring"]
+    rows = tool.by_kind("controller", tool.label_rounds(rounds, kinds))
+    assert [(r["mode"], r["rounds"]) for r in rows] == [("controller d2w16", 3), ("controller held d2w16", 3)]
+    assert all(r["round_ms"] == pytest.approx(0.1) for r in rows)
+    captured = tool.round_stats([e for i in range(3) for e in _round(200 * i, False)]
+                                + [_x("cuda_runtime", "cudaStreamBeginCapture", 20, 1)])
+    assert tool.by_kind("c", tool.label_rounds(captured, ["d1w8"] * 3)) == []  # 2 replayed rounds: too few
+    lost = tool.round_stats(_round(0, False) + _round(200, False))
+    assert tool.by_kind("c", tool.label_rounds(lost, ["d1w8"] * 3)) == [] and "kind" not in lost[0]
+
+
 def run_tiny(tool, tmp_path, device: str, prompt_len: int, new: int) -> tuple[dict, object, object]:
     """The tool on the tiny controlled pair with a hand-built table -> (result, its JSON path, its PNG path)."""
     base = ["--shape", "tiny", "--device", device, "--concurrency", "2", "--tree", "3x2x4", "--prompt-len",
@@ -70,6 +85,9 @@ def test_the_tool_on_cpu_writes_rows_and_the_figure(tool, tmp_path):
     for r in saved["rows"]:
         assert set(tool.FIELDS) <= set(r) and r["rounds"] >= 1 and r["round_ms"] > 0
     assert saved["rows"][0]["rounds"] >= saved["rows"][1]["rounds"]  # a plain step a token; the tree commits more
+    kinds = saved["controller_by_kind"]  # the controller's rounds by kind, each kind's rounds counted apart
+    assert kinds and all(r["mode"].startswith("controller ") and r["rounds"] >= 3 for r in kinds)
+    assert sum(r["rounds"] for r in kinds) <= saved["rows"][2]["rounds"]
     assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
 
 

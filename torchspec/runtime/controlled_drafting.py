@@ -60,28 +60,19 @@ decision the controller takes: widths 0 .. N and stops at every depth).
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 
 import torch
 
 from torchspec.runtime.calibration import Calibration
+from torchspec.runtime.controlled_rounds import decide_how
 from torchspec.runtime.controller_policy import (
     INITIAL_SAMPLED_DEPTH,
-    RoundPlan,
-    decide_after_depth,
-    decide_every_depth,
-    verify_width,
 )
 from torchspec.runtime.cost_table import CostTable
-from torchspec.runtime.drafter_runner import DrafterRunner
-from torchspec.runtime.drafting import DraftInputs, SpecConfig, TreePool, grow_dynamic_tree
+from torchspec.runtime.drafting import SpecConfig
 from torchspec.runtime.held_plans import Hold
-from torchspec.runtime.paged_kv import PagedKVCache
-from torchspec.runtime.plan_averages import AVERAGED, fold, plan_from, plans_how
+from torchspec.runtime.plan_averages import AVERAGED, plans_how
 from torchspec.runtime.round_costs import DENSE_WIDTHS, RoundCosts, break_even_tokens, check_table_for
-from torchspec.runtime.sampling import SamplingParams
-from torchspec.runtime.tree import DraftTree
 
 MODES = ("ahead", "within")
 PLAIN_ROUND = (0, 0)  # ahead mode's plan for a round that drafts nothing (steps.plain_step_deferring_drafter)
@@ -89,9 +80,6 @@ PROBE_EVERY = 8  # while the plan is width 0, the first round and the PROBE_EVER
 PROBE_WIDTH = 1  # a probe verifies this many nodes (an underconfident drafter is found out only by verifying it)
 PROBE_MOST = 64  # ... the streak between probes doubling after each probe that plans width 0 again, up to this
 CTX_STEP = 64  # a round's costs are looked up once per (shape, batch, price point: CTX_STEP tokens of context) and kept
-DECIDE_ENV = "TORCHSPEC_CONTROLLER_DECIDE"  # "fused" (default: one Triton kernel on CUDA) or "tensor"
-_UNBUILT: list[str] = []  # why the decision kernel could not be built here, once it could not (then: tensor ops)
-log = logging.getLogger(__name__)
 
 
 class Controller:
@@ -319,99 +307,4 @@ class Controller:
         return need
 
 
-def draft_ahead_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
-                     costs: RoundCosts) -> tuple[DraftTree, torch.Tensor]:
-    """Ahead mode (module docstring): the greedy dynamic tree of ``spec`` (its depth planned), every depth
-    drafted, its ``costs.plan`` width verified -> (tree, the next round's plan [4] int64: depth, width, and the
-    probe's depth and width should it plan a plain round), the
-    criterion evaluated after every depth on the GPU, all at once after the round (``decide_every_depth``:
-    the decisions ``decide_after_depth`` takes depth by depth, in a fraction of the kernels; no host read)."""
-    fronts, edges, sizes = [], [], []
-    pool: TreePool | None = None
-    for pool in grow_dynamic_tree(runner, cache, inp, spec, SamplingParams(), frontier_at_last=True):
-        fronts.append(pool.front_sc)  # each frontier node's path; plus its best edge: its predicted child
-        edges.append(pool.front_edge())
-        sizes.append(sum(sc.shape[1] for sc in pool.sc))  # static: the nodes drafted up to this depth
-    m = costs.plan[1]
-    plan = _decide_ahead(torch.cat(pool.sc, 1), sizes, torch.stack(fronts), torch.stack(edges), costs,
-                         inp.row_valid, m)
-    return pool.tree(inp.root, m), torch.stack([plan.next_depth, plan.next_width, plan.probe_depth, plan.probe_width])
-
-
-def decide_how() -> str:
-    """How ahead mode decides on CUDA (``TORCHSPEC_CONTROLLER_DECIDE``): "fused" (default) or "tensor"."""
-    how = os.environ.get(DECIDE_ENV, "fused")
-    if how not in ("fused", "tensor"):
-        raise ValueError(f"{DECIDE_ENV}={how!r} is not a way to decide: set it to 'fused' (the default) or 'tensor'.")
-    return how
-
-
-def _decide_ahead(pool_logp: torch.Tensor, sizes: list[int], fronts: torch.Tensor, edges: torch.Tensor,
-                  costs: RoundCosts, row_valid: torch.Tensor, m: int) -> RoundPlan:
-    """``decide_every_depth`` on the path probabilities as the calibration reads them (``Calibration.choice``:
-    p^a, scaled), and the evidence the ``m`` verified nodes expect (``calibration.pending``): on CUDA in one
-    Triton launch with the calibration's choice and evidence (``decide_triton.py``; the same decisions bit for
-    bit), else as tensor operations; ``TORCHSPEC_CONTROLLER_DECIDE=tensor`` forces the latter (to compare)."""
-    cal, averages = costs.calibration, costs.averages
-    if decide_how() == "fused" and pool_logp.is_cuda and not _UNBUILT:
-        from triton.errors import TritonError  # CUDA builds of torch ship Triton
-
-        from torchspec.runtime.decide_triton import decide_every_depth_fused, fused_sizes
-        if fused_sizes(sizes) is not None:
-            try:  # built at the first call: a graph's warm-up, before any capture
-                plan, cal.pending = decide_every_depth_fused(pool_logp, sizes, fronts, edges, costs.depth_ms,
-                                                             costs.verify_ms, row_valid, cal, m, averages)
-                return plan
-            except (TritonError, RuntimeError) as e:  # cannot be built here (Triton's passes raise RuntimeError)
-                log.warning("the controller's decision kernel could not be built (%s: %s); deciding with tensor "
-                            "operations instead (slower by ~0.15 ms a round).", type(e).__name__, e)
-                _UNBUILT.append(f"{type(e).__name__}: {e}")
-    plan, cal.pending = decide_every_depth_calibrated(pool_logp, sizes, fronts, edges, costs.depth_ms, costs.verify_ms,
-                                                      row_valid, cal, m, averages)
-    return plan
-
-
-def decide_every_depth_calibrated(pool_logp: torch.Tensor, sizes: list[int], fronts: torch.Tensor,
-                                  edges: torch.Tensor, depth_ms: torch.Tensor, verify_ms: torch.Tensor,
-                                  row_valid: torch.Tensor, cal: Calibration, verified: int,
-                                  averages: torch.Tensor | None = None) -> tuple[RoundPlan, torch.Tensor]:
-    """The tensor twin of ``decide_triton.decide_every_depth_fused`` (same arguments, same results): with the
-    calibration's exponent and scale, ``decide_every_depth`` on the round's pool and its predicted children
-    (frontier path plus best edge), and the calibration's evidence -> (RoundPlan, evidence [len(ALPHAS)]).
-    ``averages`` (the averaged plan table, ``plan_averages``): the round's estimates are folded into it in place
-    and the plan is the table's; None: the plan is the round's own."""
-    alpha, scale = cal.choice()
-    children = (fronts.double() + edges.double()) * alpha
-    plan = decide_every_depth(pool_logp.double() * alpha, sizes, children, depth_ms, verify_ms, row_valid, scale,
-                              verified)
-    if averages is not None:
-        averages.copy_(fold(averages, plan.estimates))
-        fields = ("next_depth", "next_width", "probe_depth", "probe_width")
-        plan = plan._replace(**dict(zip(fields, plan_from(averages, depth_ms, verify_ms))))
-    return plan, cal.evidence(pool_logp, verified, row_valid)
-
-
-def draft_controlled_tree(runner: DrafterRunner, cache: PagedKVCache, inp: DraftInputs, spec: SpecConfig,
-                          costs: RoundCosts) -> DraftTree:
-    """The greedy dynamic tree of ``spec`` (a chain when shape == 'chain', ``drafting.grow_dynamic_tree``),
-    cut where the controller stops, keeping its chosen width of best nodes (module docstring)."""
-    alpha, scale = costs.calibration.choice()  # the confidence as the calibration reads it: p^alpha, scaled
-    for depth, pool in enumerate(grow_dynamic_tree(runner, cache, inp, spec, SamplingParams())):
-        raw = torch.cat(pool.sc, 1)  # [B, P] every node drafted so far
-        scores = raw.double() * alpha
-        if pool.front_sc is None:  # spec's last depth: the width alone
-            width = verify_width(scores, depth, costs.depth_ms, costs.verify_ms, inp.row_valid, scale)
-            break
-        decision = decide_after_depth(scores, pool.front_sc.double() * alpha, pool.front_edge().double() * alpha,
-                                      depth, costs.depth_ms, costs.verify_ms, inp.row_valid, scale)
-        width = decision.width
-        if not bool(decision.go):  # host-chained: one read a depth
-            break
-    m = int(width)  # the round's one more host read: the verified shape
-    costs.trace.append((depth + 1, m))
-    costs.calibration.pending = costs.calibration.evidence(raw, m, inp.row_valid)
-    return pool.tree(inp.root, m)
-
-
-__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Controller",
-           "decide_every_depth_calibrated", "decide_how", "draft_ahead_tree", "draft_controlled_tree"]
+__all__ = ["MODES", "PLAIN_ROUND", "PROBE_EVERY", "PROBE_MOST", "PROBE_WIDTH", "Controller"]

@@ -32,12 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from torchspec.attend import in_window
-from torchspec.runtime.controlled_drafting import (
-    PLAIN_ROUND,
-    RoundCosts,
-    draft_ahead_tree,
-    draft_controlled_tree,
-)
+from torchspec.runtime.controlled_drafting import PLAIN_ROUND, RoundCosts
+from torchspec.runtime.controlled_rounds import draft_ahead_tree, draft_controlled_tree
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, draft_round
 from torchspec.runtime.paged_kv import (
