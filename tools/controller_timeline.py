@@ -12,6 +12,10 @@ before the round's last launch is a wait *inside* the round (the host-chained de
 every depth); the controller's ahead mode should show none: one sync a round, after its one launch,
 which carries the committed tokens and the next round's plan.
 
+The controller's rounds are also summarised by kind (``controller_by_kind``: each label of
+``engine.round_kinds`` with 3 replayed rounds or more, e.g. ``d2w16`` deciding beside ``held d2w16``): what deciding
+costs on the GPU (``gpu_ms``: kernel time, without the gaps between kernels) and on the host (``round_ms``).
+
 Prints a table, writes ``--out`` (JSON, atomic) and ``--plot`` (PNG: host and GPU lanes of a few rounds a
 mode). Engines as ``tools/bench_controller.py`` builds them (the controlled pair at ``--shape``, or a real
 ``--target`` with one ``--drafter name=export``); the controller's cost table from ``--costs``

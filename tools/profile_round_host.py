@@ -3,8 +3,9 @@
 Every round ends in one host sync, so the host work before a round's launch and after its sync adds to the
 round's wall time. On an H100 (twentieth session) a controlled (5, 32) round took ~2.31 ms of wall time where
 the fixed 5x8x32 tree's took ~2.06 ms, though its graph is only ~0.08 ms longer (``tools/profile_round.py``).
-This decodes the same prompts with the fixed tree and with the controller within it (after warm runs that
-capture every graph both need), first plainly, for each kind of round's wall ms (``engine.round_kinds``), then
+This decodes the same prompts with the fixed tree, with the controller within it, and with the fixed tree again
+(the order's own effect: a later run on the same engine), after warm runs that capture every graph each needs,
+first plainly, for each kind of round's wall ms (``engine.round_kinds``), then
 under ``cProfile``, and prints per function the host microseconds a decode round spends in it (its own time,
 and with its callees) for both, largest difference first; JSON to ``--out``::
 
@@ -98,7 +99,9 @@ def bench(args) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, engine.decoder.vocab_size, (max(args.num_prompts, args.concurrency), args.prompt_len),
                             generator=g).tolist()
-    runs = {"fixed": dict(spec=spec), "controller": dict(spec=spec, controller=table)}
+    # the fixed tree once more after the controller: a later run on the same engine (more graphs captured, a warmer
+    # or busier host) is not the controller's cost; "fixed again" against "fixed" says how much of it is the order
+    runs = {"fixed": dict(spec=spec), "controller": dict(spec=spec, controller=table), "fixed again": dict(spec=spec)}
     out = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
            "args": {k: v for k, v in vars(args).items() if k not in ("out", "debug")}, "runs": {}}
     for name, kw in runs.items():
@@ -108,8 +111,9 @@ def bench(args) -> dict:
         for _ in range(WARM_RUNS if engine.graphs is not None else 1):
             run()
         timed = run()
+        host = host_profile(engine, run)
         out["runs"][name] = {"round_ms": timed["round_ms"], "round_kinds": timed["round_kinds"],
-                             "acceptance": timed["mean_acceptance"], "host": host_profile(engine, run)}
+                             "acceptance": timed["mean_acceptance"], "round_host_us": round_host_us(host), "host": host}
     fixed, ctl = out["runs"]["fixed"]["host"], out["runs"]["controller"]["host"]
     diff = sorted(((k, ctl.get(k, {}).get("own_us", 0.0) - fixed.get(k, {}).get("own_us", 0.0)) for k in {*fixed, *ctl}),
                   key=lambda kv: -abs(kv[1]))
@@ -124,10 +128,17 @@ def bench(args) -> dict:
     return out
 
 
+def round_host_us(host: dict[str, dict]) -> float:
+    """A profile's host microseconds a decode round (``decode_round`` with its callees, under cProfile): the same
+    code profiled in two runs should give the same; "fixed again" against "fixed" shows what the order alone adds."""
+    return next((v["cum_us"] for k, v in host.items() if k.endswith("(decode_round)")), 0.0)
+
+
 def print_report(out: dict, top: int) -> None:
     for name, r in out["runs"].items():
         kinds = ", ".join(f"{k} {v['rounds']}x{v['ms']:.3f} ms" for k, v in r["round_kinds"].items())
-        print(f"{name:<10} {r['round_ms']:.3f} ms a round, acceptance {r['acceptance']:.2f}  [{kinds}]")
+        print(f"{name:<11} {r['round_ms']:.3f} ms a round, acceptance {r['acceptance']:.2f}, "
+              f"{r['round_host_us']:.0f} us a round in decode_round under cProfile  [{kinds}]")
     print(f"{'function':<70} {'fixed us':>9} {'ctl us':>9} {'diff us':>9}  (own host time a round, under cProfile)")
     for row in out["own_us_difference"][:top]:
         f, c = (row[k] or {} for k in ("fixed", "controller"))

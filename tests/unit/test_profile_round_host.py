@@ -23,19 +23,20 @@ def test_both_runs_are_profiled_and_compared(tool, tmp_path, capsys):
     out = tmp_path / "host.json"
     tool.main([*ARGS, "--out", str(out)])
     data = json.loads(out.read_text())
-    fixed, ctl = data["runs"]["fixed"], data["runs"]["controller"]
-    assert set(fixed["round_kinds"]) == {"spec"}  # the fixed tree's rounds
+    fixed, ctl, again = data["runs"]["fixed"], data["runs"]["controller"], data["runs"]["fixed again"]
+    assert set(fixed["round_kinds"]) == set(again["round_kinds"]) == {"spec"}  # the fixed tree's rounds, twice
     assert set(ctl["round_kinds"]) <= {"plain-deferring"} | {k for k in ctl["round_kinds"]
                                                               if k.startswith(("d", "held d"))}
-    for run in (fixed, ctl):
-        assert run["round_ms"] > 0 and run["host"]
+    for run in (fixed, ctl, again):
+        assert run["round_ms"] > 0 and run["host"] and run["round_host_us"] > 0
         assert all(v["cum_us"] >= v["own_us"] >= 0 for v in run["host"].values())
     assert any("decode_round" in k for k in ctl["host"])  # the engine's round is among what the profile sees
     diffs = [abs(r["controller_minus_fixed_us"]) for r in data["own_us_difference"]]
     assert diffs == sorted(diffs, reverse=True) and len(diffs) > 5
     printed = capsys.readouterr().out.splitlines()  # each run's rounds, then the top 5 functions
-    assert printed[0].startswith("fixed") and printed[1].startswith("controller") and "diff us" in printed[2]
-    assert len(printed) == 3 + 5
+    assert printed[0].startswith("fixed ") and printed[1].startswith("controller") and printed[2].startswith("fixed again")
+    assert "diff us" in printed[3] and len(printed) == 4 + 5
+    assert all("us a round in decode_round" in line for line in printed[:3])
 
 
 def test_bad_input_is_one_line(tool, tmp_path, capsys):

@@ -17,8 +17,8 @@ evaluated after the round on its own tree (``sampled_depth.sampled_go_flags``: e
 probability their draft distribution gave them) and verifies every drafted node, as the fixed sampled
 tree does. Rounds with deterministic candidates at T > 0 keep ``spec``'s fixed shape.
 
-**Two modes.** ``"ahead"`` (the default) decides each greedy round's shape one round ahead, on the GPU: a
-round drafts its planned (depth, width) as a fixed shape (``grow_dynamic_tree(frontier_at_last=True)``), then
+**Two modes** (their rounds on the drafter: ``controlled_rounds.py``). ``"ahead"`` (the default) decides each
+greedy round's shape one round ahead, on the GPU: a round drafts its planned (depth, width) as a fixed shape (``grow_dynamic_tree(frontier_at_last=True)``), then
 evaluates the criterion at each of its depths on its own scores and plans the next round: among the depths
 drafted and one more (its children predicted as the go criterion predicts them), the (depth, width) of the
 highest expected tokens per ms, rated on an average of recent rounds' ratings of every (depth, width), kept on
