@@ -17,7 +17,7 @@ from tests.cost_tables import linear_table
 from torchspec.runtime.calibration import Calibration
 from torchspec.runtime.controlled_drafting import PLAIN_ROUND, Controller
 from torchspec.runtime.drafting import SpecConfig
-from torchspec.runtime.held_plans import HOLD_ROUNDS, RELEASE_Z, Hold
+from torchspec.runtime.held_plans import HOLD_MOST, HOLD_ROUNDS, RELEASE_Z, Hold
 from torchspec.runtime.plan_averages import PLANS_ENV
 from torchspec.runtime.round_costs import break_even_tokens
 from torchspec.runtime.sampling import SamplingParams
@@ -58,8 +58,9 @@ def rounds(ctl: Controller, plans: list[tuple[int, int]], tokens: list[int] | No
 def test_a_repeated_plan_is_held_until_the_next_deciding_round(confident, spec, monkeypatch):
     ctl = controller(confident, spec, monkeypatch)
     ctl.next_plan = (3, 3)
-    got = rounds(ctl, [(3, 3)] * (2 * HOLD_ROUNDS + 1))
-    assert [held for held, *_ in got] == ([False] + [True] * (HOLD_ROUNDS - 1)) * 2 + [False]
+    got = rounds(ctl, [(3, 3)] * (3 * HOLD_ROUNDS + 1))  # confirmed after a full hold: the next is twice as long
+    assert [held for held, *_ in got] == ([False] + [True] * (HOLD_ROUNDS - 1) + [False] + [True] * (2 * HOLD_ROUNDS - 1)
+                                          + [False])
     assert all((d, w) == (3, 3) for _, d, w, _ in got) and ctl.trace == [(3, 3)] * len(got)
     held_shapes = {shape for held, *_, shape in got if held}
     assert held_shapes == {SpecConfig(shape="chain", depth=3, num_nodes=3) if spec.shape == "chain" else
@@ -158,6 +159,52 @@ def test_one_row_round_that_accepts_nothing_does_not_end_a_hold():
     hold.start(need=1.0, tokens=1, rows=1, most=2)  # a break-even of one token: a token pays, and no spread
     hold.observe(tokens=1, rows=1)
     assert hold.take()
+
+
+def test_a_plan_confirmed_after_a_full_hold_goes_on_from_its_evidence_for_twice_as_long():
+    """A deciding round that plans again the plan of a hold that ran all its rounds while paying holds it again on
+    that hold's own rounds and its own (within the noise, not a paying round of its own), twice as long each time up
+    to HOLD_MOST - 1; a hold released on evidence, another plan, or no plan starts afresh (a round that paid, 7)."""
+    assert (HOLD_ROUNDS, HOLD_MOST) == (8, 32)
+    hold, plan = Hold(), (2, 16)
+
+    def run_full(length: int, tokens: int = 2) -> None:
+        assert hold.left == length
+        for _ in range(length):
+            assert hold.take()
+            hold.observe(tokens=tokens, rows=1)
+        assert not hold.take() and hold.full
+
+    hold.start(need=1.6, tokens=2, rows=1, most=3, plan=plan)
+    run_full(7)
+    hold.start(need=1.6, tokens=1, rows=1, most=3, plan=plan)  # one token: carried, 17 over 9 row-rounds pays
+    assert (hold.tokens, hold.rows, hold.own_tokens, hold.own_rows) == (17, 9, 1, 1)
+    run_full(15)
+    hold.start(need=1.6, tokens=2, rows=1, most=3, plan=plan)  # carries the last hold's own rounds only: 31 + 2
+    assert (hold.tokens, hold.rows) == (33, 17)
+    run_full(31)
+    hold.start(need=1.6, tokens=2, rows=1, most=3, plan=plan)
+    run_full(HOLD_MOST - 1)  # no longer than HOLD_MOST - 1
+    hold.start(need=1.6, tokens=1, rows=1, most=3, plan=(3, 16))  # another plan: afresh, and one token did not pay
+    assert hold.left == 0 and not hold.full
+    hold.start(need=1.6, tokens=2, rows=1, most=3, plan=plan)  # afresh: 7 rounds
+    assert hold.left == HOLD_ROUNDS - 1
+    for _ in range(4):  # rounds that accept nothing end it on evidence (test_one_row_round_that_accepts_nothing)
+        hold.take()
+        hold.observe(tokens=1, rows=1)
+    assert not hold.take() and not hold.full
+    hold.start(need=1.6, tokens=1, rows=1, most=3, plan=plan)  # released: nothing carried, one token does not pay
+    assert hold.left == 0
+    hold.start(need=1.6, tokens=2, rows=1, most=3)
+    run_full(7)
+    hold.start(need=1.6, tokens=1, rows=1, most=3)  # no plan named: never carried
+    assert hold.left == 0
+    hold.start(need=1.6, tokens=2, rows=1, most=3, plan=plan)
+    run_full(7)
+    hold.start(need=1.6, tokens=1, rows=1, most=3, plan=plan)
+    hold.stop()  # a probe or a changed plan stops it: the next start is afresh
+    hold.start(need=1.6, tokens=1, rows=1, most=3, plan=plan)
+    assert hold.left == 0
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.shape)

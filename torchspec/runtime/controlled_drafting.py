@@ -285,7 +285,8 @@ class Controller:
                 self.hold.stop()
             elif self.plans == "held" and self.next_plan == tuple(costs.plan) and self.next_plan[1] > 0:
                 depth, width = self.next_plan
-                self.hold.start(self._hold_need(depth, width), tokens, rows, most=1 + min(depth, width))
+                self.hold.start(self._hold_need(depth, width), tokens, rows, most=1 + min(depth, width),
+                                plan=self.next_plan)
             else:
                 self.hold.stop()
             if len(plan) >= 4:

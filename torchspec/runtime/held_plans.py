@@ -25,6 +25,14 @@ tokens (started on a round of 2, the fourth such round in a row does). Against t
 thirty-third session's c = 1 holds were cut by noise: 90 of 263 rounds decided, each 0.14-0.36 ms dearer than a
 held one (H100, a 725-step SmolLM2 drafter: 0.94 of the best fixed tree).
 
+**A plan that keeps paying is decided less often.** A hold that ran all its rounds while paying, confirmed by
+the deciding round after it (the same plan again), is held again for twice as many rounds (7, 15, 31: up to
+``HOLD_MOST - 1``), judged on that hold's own rounds and the deciding round's together -- so the confirming round
+need not pay by itself, a draw that at c = 1 failed one deciding round in four. A release on evidence, another plan,
+a probe or width 0 starts over with a fresh hold of ``HOLD_ROUNDS - 1`` on a round that paid. In the thirty-fifth
+session a deciding round cost ~0.136 ms more than the held round of its plan (H100, SmolLM2, c = 1), and 63 of the
+263 rounds of a replayed c = 1 run decided, 27 of 29 holds having run their 7 rounds to the end.
+
 **The default** since the thirty-first session: on an H200, with the release rule and the thirtieth session's
 fixes (one averaged table per shape under CUDA graphs, no catch-up on idle rows), held plans were faster than
 every round deciding ("average") or level in all eight pairs of the controlled SmolLM2-shaped pair: a good
@@ -38,44 +46,69 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-HOLD_ROUNDS = 8  # a hold runs at most HOLD_ROUNDS - 1 rounds undecided; the next decides
+HOLD_ROUNDS = 8  # a fresh hold runs at most HOLD_ROUNDS - 1 rounds undecided; the next decides
+HOLD_MOST = 32  # ... a hold its deciding round confirmed after a full one twice as many, up to HOLD_MOST - 1
 RELEASE_Z = 1.0  # a hold ends once its tokens a row-round fall this many standard errors below its break-even
 
 
 @dataclass
 class Hold:
     """One hold's state: ``left`` rounds it may still run undecided, the tokens a row-round it must commit
-    (``need``), the most a row-round can commit (``most``: 1 + min(depth, width)) and what its rounds committed
-    so far (``tokens`` over ``rows`` live row-rounds)."""
+    (``need``), the most a row-round can commit (``most``: 1 + min(depth, width)), what its rounds committed so far
+    (``tokens`` over ``rows`` live row-rounds, with what it carried from the hold before: ``pays`` judges these),
+    and its own rounds' share (``own_tokens`` over ``own_rows``: what a hold that follows it carries). ``plan``,
+    ``length`` and ``full``: the plan held, the rounds it was given, and whether it ran them all while paying."""
 
     left: int = 0
     need: float = 0.0
     most: int = 1
     tokens: int = 0
     rows: int = 0
+    own_tokens: int = 0
+    own_rows: int = 0
+    plan: tuple[int, int] | None = None
+    length: int = 0
+    full: bool = False
 
-    def start(self, need: float, tokens: int, rows: int, most: int) -> None:
-        """The deciding round that ran the plan planned it again, committing ``tokens`` over ``rows`` live rows, at
-        most ``most`` a row: hold it if those reach ``need`` itself (a hold starts on a round that paid; it ends on
-        evidence that its rounds stopped paying, ``pays``)."""
-        self.need, self.most, self.tokens, self.rows = need, most, tokens, rows
-        self.left = HOLD_ROUNDS - 1 if rows > 0 and need <= most and tokens >= need * rows else 0
+    def start(self, need: float, tokens: int, rows: int, most: int, plan: tuple[int, int] | None = None) -> None:
+        """The deciding round that ran ``plan`` planned it again, committing ``tokens`` over ``rows`` live rows, at
+        most ``most`` a row. A fresh hold starts only if those reach ``need`` themselves (a hold starts on a round
+        that paid) and runs ``HOLD_ROUNDS - 1`` rounds. A round that confirms the plan of a hold that ran all its
+        rounds while paying (``full``) instead goes on from that hold's own rounds: held if they and this round
+        still pay (``pays``: within the noise), for twice as many rounds, up to ``HOLD_MOST - 1`` -- a plan that
+        keeps paying is decided less and less often, and a release on evidence (``observe``) or a changed plan
+        starts over. ``plan`` None: never carried."""
+        chained = plan is not None and self.full and plan == self.plan
+        carried = (self.own_tokens, self.own_rows) if chained else (0, 0)
+        self.need, self.most, self.plan, self.full = need, most, plan, False
+        self.tokens, self.rows = carried[0] + tokens, carried[1] + rows
+        self.own_tokens, self.own_rows = tokens, rows
+        if chained:
+            self.length = min(2 * self.length + 1, HOLD_MOST - 1)
+            paid = self.pays()
+        else:
+            self.length = HOLD_ROUNDS - 1
+            paid = rows > 0 and need <= most and tokens >= need * rows
+        self.left = self.length if paid else 0
 
     def take(self) -> bool:
-        """Whether this round runs held (and, if so, one round fewer is left)."""
+        """Whether this round runs held (and, if so, one round fewer is left; the last one leaves the hold full
+        unless its rounds stop paying)."""
         if self.left <= 0:
             return False
         self.left -= 1
+        self.full = self.left == 0
         return True
 
     def observe(self, tokens: int, rows: int) -> None:
         """A held round committed ``tokens`` over ``rows`` live rows: the hold ends once the plan stops paying."""
         self.tokens, self.rows = self.tokens + tokens, self.rows + rows
+        self.own_tokens, self.own_rows = self.own_tokens + tokens, self.own_rows + rows
         if not self.pays():
-            self.left = 0
+            self.left, self.full = 0, False
 
     def stop(self) -> None:
-        self.left = 0
+        self.left, self.full = 0, False
 
     def pays(self) -> bool:
         """Whether the tokens a row-round so far are within ``RELEASE_Z`` standard errors of the break-even (or
