@@ -59,8 +59,8 @@ def test_a_repeated_plan_is_held_until_the_next_deciding_round(confident, spec, 
     ctl = controller(confident, spec, monkeypatch)
     ctl.next_plan = (3, 3)
     got = rounds(ctl, [(3, 3)] * (3 * HOLD_ROUNDS + 1))  # confirmed after a full hold: the next is twice as long
-    assert [held for held, *_ in got] == ([False] + [True] * (HOLD_ROUNDS - 1) + [False] + [True] * (2 * HOLD_ROUNDS - 1)
-                                          + [False])
+    assert [held for held, *_ in got] == ([False] + [True] * (HOLD_ROUNDS - 1)
+                                          + [False] + [True] * (2 * HOLD_ROUNDS - 1) + [False])
     assert all((d, w) == (3, 3) for _, d, w, _ in got) and ctl.trace == [(3, 3)] * len(got)
     held_shapes = {shape for held, *_, shape in got if held}
     assert held_shapes == {SpecConfig(shape="chain", depth=3, num_nodes=3) if spec.shape == "chain" else

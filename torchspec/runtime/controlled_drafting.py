@@ -18,13 +18,13 @@ probability their draft distribution gave them) and verifies every drafted node,
 tree does. Rounds with deterministic candidates at T > 0 keep ``spec``'s fixed shape.
 
 **Two modes** (their rounds on the drafter: ``controlled_rounds.py``). ``"ahead"`` (the default) decides each
-greedy round's shape one round ahead, on the GPU: a round drafts its planned (depth, width) as a fixed shape (``grow_dynamic_tree(frontier_at_last=True)``), then
-evaluates the criterion at each of its depths on its own scores and plans the next round: among the depths
-drafted and one more (its children predicted as the go criterion predicts them), the (depth, width) of the
-highest expected tokens per ms, rated on an average of recent rounds' ratings of every (depth, width), kept on
-the device (``plan_averages.py``; ``TORCHSPEC_CONTROLLER_PLANS=last``: on the last round's alone,
-``RoundPlan.next_depth``, ``next_width``)
--- widths beyond ``DENSE_WIDTHS`` only where the table measured them. On CUDA that decision is one Triton kernel
+greedy round's shape one round ahead, on the GPU: a round drafts its planned (depth, width) as a fixed shape
+(``grow_dynamic_tree(frontier_at_last=True)``), then evaluates the criterion at each of its depths on its own
+scores and plans the next round: among the depths drafted and one more (its children predicted as the go criterion
+predicts them), the (depth, width) of the highest expected tokens per ms, rated on an average of recent rounds'
+ratings of every (depth, width), kept on the device (``plan_averages.py``; ``TORCHSPEC_CONTROLLER_PLANS=last``: on
+the last round's alone, ``RoundPlan.next_depth``, ``next_width``) -- widths beyond ``DENSE_WIDTHS`` only where the
+table measured them. On CUDA that decision is one Triton kernel
 (``decide_triton.py``, bit for bit the tensor version's; ~70 small kernels cost as much as a draft depth).
 The plan is four ints in the round's output (its depth and width, and a probe's), read with the committed
 tokens in the round's one sync: the host never waits inside a round, and every planned shape is a static
@@ -65,9 +65,7 @@ import torch
 
 from torchspec.runtime.calibration import Calibration
 from torchspec.runtime.controlled_rounds import decide_how
-from torchspec.runtime.controller_policy import (
-    INITIAL_SAMPLED_DEPTH,
-)
+from torchspec.runtime.controller_policy import INITIAL_SAMPLED_DEPTH
 from torchspec.runtime.cost_table import CostTable
 from torchspec.runtime.drafting import SpecConfig
 from torchspec.runtime.held_plans import Hold

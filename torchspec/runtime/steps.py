@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from torchspec.attend import in_window
-from torchspec.runtime.controlled_drafting import PLAIN_ROUND, RoundCosts
+from torchspec.runtime.controlled_drafting import PLAIN_ROUND
 from torchspec.runtime.controlled_rounds import draft_ahead_tree, draft_controlled_tree
 from torchspec.runtime.drafter_runner import DrafterRunner
 from torchspec.runtime.drafting import DraftInputs, SpecConfig, draft_round
@@ -51,6 +51,7 @@ from torchspec.runtime.recurrent_state import (
     build_recurrent_meta,
     tree_level_widths,
 )
+from torchspec.runtime.round_costs import RoundCosts
 from torchspec.runtime.sampled_depth import next_depth_after_sampled
 from torchspec.runtime.sampling import RowSampling, SamplingParams, process_logits, sample
 from torchspec.runtime.tree import DraftTree
