@@ -7,6 +7,9 @@ side, acceptance printed on each bar.
 
     python tools/plot_controller_trained.py docs/bench/controller_trained_smollm2_s24.json \\
         docs/img/controller_trained_s24.png
+
+``plot_controller_progress`` draws the controller over its sweep's best fixed shape session by session
+(``docs/bench/controller_h200.json``, ``tools/plot_results.py``: ``docs/img/controller_progress.png``).
 """
 
 from __future__ import annotations
@@ -124,6 +127,53 @@ def plot_controller_concurrency(drafters: dict[str, Path], out: Path) -> None:
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(textwrap.fill(f"The controller against the best fixed shape, SmolLM2 on MT-Bench ({device})", 90),
                  fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def progress_points(rows: list[dict]) -> dict[int, list[tuple[int, float, int, bool]]]:
+    """The trained drafters' rows of ``controller_h200.json`` (drafter ``eagle4_*``, a ``session`` "sNN"):
+    per concurrency, (session, mean controller / best fixed over the session's runs, runs, whether every run's
+    sweep held a 2-deep tree: before the thirty-third session none did, and a 2-deep tree is the best fixed shape
+    at c = 1 and 8 since) by session."""
+    runs: dict[tuple[int, int], list[tuple[float, bool]]] = {}
+    for row in rows:
+        session = str(row.get("session") or "")
+        if row.get("mode") == "controller" and row["drafter"].startswith("eagle4_") and session[1:].isdigit():
+            shallow = any(shape.startswith("tree2x") for shape in row.get("sweep") or {})
+            runs.setdefault((row["concurrency"], int(session[1:])), []).append((row["controller_vs_best_fixed"],
+                                                                                shallow))
+    points: dict[int, list[tuple[int, float, int, bool]]] = {}
+    for (c, session), found in sorted(runs.items()):
+        points.setdefault(c, []).append((session, sum(r for r, _ in found) / len(found), len(found),
+                                         all(shallow for _, shallow in found)))
+    return points
+
+
+def plot_controller_progress(src: Path, out: Path) -> None:
+    """The controller over the best fixed shape of its session's sweep, session by session, one line per
+    concurrency (trained SmolLM2 drafters, ``progress_points``), with the issue's bar (1.0) drawn."""
+    data = json.loads(src.read_text())
+    points = progress_points(data["rows"])
+    if not points:
+        raise ValueError(f"{src} has no trained drafter's controller rows with a session; nothing to plot.")
+    devices = sorted({r.get("device") or data["device"] for r in data["rows"] if r["drafter"].startswith("eagle4_")})
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    for c, series in points.items():
+        line, = ax.plot([s for s, *_ in series], [r for _, r, *_ in series], label=f"c={c}")
+        for session, ratio, _, shallow in series:  # hollow: a sweep without 2-deep trees (an easier bar)
+            ax.plot(session, ratio, "o", color=line.get_color(), mfc=line.get_color() if shallow else "white")
+        session, ratio, *_ = series[-1]
+        ax.annotate(f"{ratio:.2f}", (session, ratio), textcoords="offset points", xytext=(6, -3), fontsize=8)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    sessions = sorted({s for series in points.values() for s, *_ in series})
+    ax.set_xticks(sessions, [f"s{s}" for s in sessions])
+    ax.set_xlabel("session (a session's runs averaged; hollow: its sweep had no 2-deep tree)")
+    ax.set_ylabel("controller / best fixed shape")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(textwrap.fill("The draft controller against its sweep's best fixed shape, trained SmolLM2 drafters on "
+                               f"MT-Bench ({', '.join(devices)})", 80), fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -17,7 +17,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from plot_controller_trained import plot_controller_plans, plot_controller_trained  # noqa: E402
+from plot_controller_trained import (  # noqa: E402
+    plot_controller_plans,
+    plot_controller_progress,
+    plot_controller_trained,
+)
 from plot_quality import plot_quality_results  # noqa: E402
 
 
@@ -395,4 +399,6 @@ if __name__ == "__main__":
            "fused": bench / "controller_s25/controller_eagle4_fused_h100.json"}
     if all(p.exists() for p in s25.values()):
         plot_controller_plans(s25, img / "controller_plans_s25.png")
+    if (bench / "controller_h200.json").exists():
+        plot_controller_progress(bench / "controller_h200.json", img / "controller_progress.png")
     print("wrote", sorted(p.name for p in img.glob("*.png")))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.tool_loader import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,3 +53,30 @@ def test_the_concurrency_comparison_plots_from_the_committed_bench_files(tmp_pat
     assert sorted(label for label, *_ in tool._plans_runs(rows[0])) == ["plans: average", "plans: last"]
     tool.plot_controller_concurrency(runs, tmp_path / "by_concurrency.png")
     assert (tmp_path / "by_concurrency.png").stat().st_size > 10_000
+
+
+def test_progress_averages_a_sessions_runs_and_skips_other_drafters():
+    tool = load_tool("plot_controller_trained")
+    row = {"mode": "controller", "drafter": "eagle4_725_s36", "concurrency": 1, "session": "s36",
+           "sweep": {"chain1": {}, "tree2x8x16": {}}}
+    rows = [dict(row, controller_vs_best_fixed=0.98), dict(row, controller_vs_best_fixed=1.0),
+            dict(row, session="s35", controller_vs_best_fixed=0.94, sweep={"tree5x8x32": {}}),
+            dict(row, drafter="untrained", controller_vs_best_fixed=1.2),
+            dict(row, session=None, controller_vs_best_fixed=0.5)]
+    points = tool.progress_points(rows)
+    assert list(points) == [1]
+    assert [(s, round(r, 3), n, shallow) for s, r, n, shallow in points[1]] == [(35, 0.94, 1, False),
+                                                                                (36, 0.99, 2, True)]
+
+
+def test_the_progress_plot_from_the_committed_rows(tmp_path):
+    tool = load_tool("plot_controller_trained")
+    src = REPO / "docs" / "bench" / "controller_h200.json"
+    points = tool.progress_points(json.loads(src.read_text())["rows"])
+    assert {1, 8, 64} <= set(points)
+    tool.plot_controller_progress(src, tmp_path / "progress.png")
+    assert (tmp_path / "progress.png").stat().st_size > 10_000
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"device": "GPU", "rows": []}))
+    with pytest.raises(ValueError, match="empty.json"):
+        tool.plot_controller_progress(empty, tmp_path / "none.png")
