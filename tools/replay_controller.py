@@ -14,8 +14,9 @@ x1.34.) ``--overhead`` sets the table's host time a round (``b=ms,...``; the tab
 comes from this machine's forward (fp32 on the CPU, which may differ from bf16 on the GPU). The controller's
 deciding kernels are in ``round_ms``: ``--decide-ms`` is what a deciding round pays that a fixed shape does not,
 taken off every fixed shape's round and every held round (``--plans held``; 0 by default, which prices fixed shapes
-and holds a little high). At ``chain_from_batch`` rows or more the controller drafts chains, priced at width 1. A
-planning aid, not a measurement.
+and holds a little high); a table with ``round_extra_ms`` prices depth 0 as a served fixed round's
+(``CostTable.spec_extra_ms``), so there a deciding round adds ``--decide-ms`` instead. At ``chain_from_batch``
+rows or more the controller drafts chains, priced at width 1. A planning aid, not a measurement.
 
 ``--plans`` replays the controller once per way of planning (``plan_averages.PLANS``): the runtime's default
 (``plan_averages.DEFAULT_PLANS``, "held") is the row ``controller``, any other ``controller (<plans>)``.
@@ -121,7 +122,9 @@ class Pricer:
         self.verify = table.verify_ms(batch, ctx).tolist()
         self.decide = decide_ms
         self.widths, self.depth = table.widths, table.depth_ms(batch, ctx).tolist()
-        self.extra = float(table.round_ms(batch, ctx)) - self.verify[0]
+        # depth 0 (CostTable.spec_extra_ms): with the served round_extra_ms a fixed round's, so a deciding round
+        # adds --decide-ms; without it the standalone width-0 round's, the decision in it
+        self.extra = float(table.spec_extra_ms(batch, ctx)) + (decide_ms if table.round_extra is not None else 0.0)
         self.host = table.overhead_ms(batch)
 
     def depth_ms(self, k: int) -> float:

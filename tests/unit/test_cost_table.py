@@ -51,7 +51,7 @@ def test_cli_writes_a_complete_table(profiled):
     data = json.loads(out.read_text())  # replaced: the older content is gone
     assert data["version"] == TABLE_VERSION
     assert set(data) == {"version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "round_ms",
-                         "overhead_ms", "chain_from_batch", "meta"}
+                         "overhead_ms", "round_extra_ms", "chain_from_batch", "meta"}
     assert set(data["key"]) == {"device", "tp", "target", "drafter", "dtype"}
     assert data["key"]["device"] == "cpu" and data["key"]["tp"] == 1 and data["key"]["dtype"] == "float32"
     assert (data["batches"], data["widths"], data["nodes"], data["contexts"]) == ([1, 2], [1, 2], [0, 1, 3], [8, 24])
@@ -61,6 +61,8 @@ def test_cli_writes_a_complete_table(profiled):
     assert table.meta["repeats"] == 2 and "wall-clock" in table.meta["timing"]
     assert table.chain_from_batch == 2  # --chain-from-batch: the controller's chain rule, recorded
     assert list(table.overhead.shape) == [2] and (table.overhead >= 0).all() and "plain decode" in table.meta["overhead"]
+    assert list(table.round_extra.shape) == [2] and (table.round_extra >= 0).all()  # depth 0 as served
+    assert "fixed depth-1 rounds (top-2" in table.meta["round_extra"]
     assert table.depth_ms(2, 16).shape == (2,) and table.verify_ms(1, 8).shape == (4,)
     assert table.round.shape == (2, 2) and table.round_ms(2, 16).dim() == 0 and float(table.round_ms(2, 16)) > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -229,10 +231,46 @@ def test_the_hosts_time_a_round_leaves_a_generate_calls_fixed_cost_out(monkeypat
         decode_rounds = 0
         decoder = type("D", (), {"vocab_size": 50})()
 
-        def generate(self, prompts, max_new_tokens, concurrency, ignore_eos):
-            rounds = max_new_tokens - 1  # the first token comes from the prefill
+        def generate(self, prompts, max_new_tokens, concurrency, ignore_eos, spec=None):
+            rounds = max_new_tokens - 1 if spec is None else (max_new_tokens - 1 + 1) // 2  # a round commits 2
             self.decode_rounds += rounds
-            clock[0] += 0.010 + 0.0015 * rounds
+            clock[0] += 0.010 + (0.0015 if spec is None else 0.002) * rounds
             return []
 
     assert cp.decode_round_ms(Engine(), 4, 16) == pytest.approx(1.5)
+    assert cp.decode_round_ms(Engine(), 4, 16, spec="a fixed shape") == pytest.approx(2.0)  # a round, not a token
+
+
+def test_depth_0_is_priced_as_served_where_the_table_measured_it(tmp_path):
+    """``round_extra_ms``: depth 0's served cost at the first context bucket replaces the standalone width-0 round's
+    there, and longer contexts keep the standalone round's growth; a table without it prices depth 0 as before,
+    and ``RoundCosts.lookup`` and ``break_even_tokens`` read it through ``spec_extra_ms``."""
+    from torchspec.runtime.calibration import Calibration
+    from torchspec.runtime.drafting import SpecConfig
+    from torchspec.runtime.round_costs import RoundCosts, break_even_tokens
+
+    plain = hand_table()  # round - verify[0] = 0.5 at every (batch, ctx)
+    assert float(plain.spec_extra_ms(4, 100)) == pytest.approx(0.5) and plain.round_extra is None
+    grows = hand_table()
+    grows.round = grows.round + torch.tensor([[0.0], [0.2]], dtype=torch.float64)  # the last bucket's round: +0.2
+    served = dataclasses.replace(grows, round_extra=[0.125, 0.25, 0.375])
+    close = dict(rel=0, abs=1e-5)
+    assert float(served.spec_extra_ms(4, 100)) == pytest.approx(0.25, **close)  # the first bucket: as served
+    assert float(served.spec_extra_ms(6, 100)) == pytest.approx(0.3125, **close)  # between batches 4 and 8
+    assert float(served.spec_extra_ms(4, 300)) == pytest.approx(0.25 + 0.2, **close)  # the standalone growth kept
+    assert float(served.spec_extra_ms(4, 200)) == pytest.approx(0.25 + 0.1, **close)
+    spec = SpecConfig(shape="tree", depth=3, topk=2, num_nodes=6)
+    for table in (plain, served):
+        costs = RoundCosts.lookup(table, spec, 4, 300, Calibration(torch.device("cpu")))
+        assert float(costs.depth_ms[0]) == pytest.approx(float(table.spec_extra_ms(4, 300)), **close)
+    deeper = break_even_tokens(served, spec, 6, 4, 100) - break_even_tokens(plain, spec, 6, 4, 100)
+    assert deeper == pytest.approx((0.25 - 0.5) / float(plain.verify_ms(4, 100)[0] + plain.overhead_ms(4)), **close)
+    served.save(tmp_path / "served.json")
+    again = CostTable.load(tmp_path / "served.json", None)
+    assert again.round_extra.tolist() == [0.125, 0.25, 0.375]
+    good = served.to_dict()
+    assert CostTable.from_dict({k: v for k, v in good.items() if k != "round_extra_ms"}).round_extra is None
+    assert CostTable.from_dict({**good, "round_extra_ms": None}).round_extra is None
+    for bad in ([0.1, 0.2], [0.1, -0.2, 0.3], [0.1, float("nan"), 0.3]):
+        with pytest.raises(ValueError, match=r"round_extra_ms=.* one time >= 0 a batch \[1, 4, 8\], or be left out"):
+            CostTable.from_dict({**good, "round_extra_ms": bad})

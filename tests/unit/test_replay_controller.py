@@ -8,6 +8,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from tests.cost_tables import linear_table
 from tests.runtime_pair import build_pair
@@ -46,6 +47,10 @@ def test_pricing_follows_the_table(tool, setup):
     assert undecided.round(3, 4, 6) == pytest.approx(price.round(3, 4, 6))  # a deciding round pays it all
     assert undecided.round(3, 4, 6, decided=False) == pytest.approx(price.round(3, 4, 6) - 0.03)  # fixed or held
     assert undecided.round(0, 4, 0, decided=False) == price.plain()  # a plain round decides nothing either way
+    table.round_extra = torch.full((len(table.batches),), 0.25, dtype=torch.float64)  # depth 0 as served: a fixed round's
+    served = tool.Pricer(table, 2, 100, decide_ms=0.03)
+    assert served.round(3, 4, 6, decided=False) == pytest.approx(0.25 + 2 * 0.05 + 1.12 + 0.5, abs=1e-6)
+    assert served.round(3, 4, 6) == pytest.approx(served.round(3, 4, 6, decided=False) + 0.03)  # deciding adds it
 
 
 def test_each_way_of_planning_is_a_row_and_held_rounds_skip_the_decision(tool, setup):

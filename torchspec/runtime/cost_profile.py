@@ -17,6 +17,10 @@ For every context bucket and padded batch size b, on an idle engine whose rows a
   decoded plainly through the engine itself (``generate``; a long run less a short one, ``OVERHEAD_ROUNDS``
   rounds apart, so a call's fixed cost cancels): the wall time a decode round less the timed plain step is what the engine adds around its forwards (bookkeeping,
   inputs, launches, the sync) -- on a GPU, time it idles; every round pays it, plain or not.
+* **depth 0 as served** (``round_extra_ms``, per batch): the same prompts decoded with a fixed depth-1 round
+  (top-k candidates, one node verified), its wall time a round less the plain round's and less the verify
+  forward's own difference -- what the engine's speculating rounds pay for depth 0, where the width-0 round
+  above is timed as graphs replayed alone (``cost_table`` module docstring).
 * **the verify forward** over n drafted nodes a row: the target forward over root + n nodes with
   the tree's attention mask and the drafter's aux layers captured, and the argmax at every node (as
   ``steps.speculate`` runs it); n = 0 is ``steps.plain_step``. The nodes form a chain: for an
@@ -46,7 +50,7 @@ from datetime import UTC, datetime
 import torch
 
 from torchspec.runtime.cost_table import CostTable, cost_key
-from torchspec.runtime.drafting import DraftInputs, _DraftWriter, _top
+from torchspec.runtime.drafting import DraftInputs, SpecConfig, _DraftWriter, _top
 from torchspec.runtime.paged_kv import TRASH_PAGE
 from torchspec.runtime.sampling import SamplingParams
 from torchspec.runtime.steps import plain_step, verify_forward
@@ -179,7 +183,6 @@ def verify_fn(engine, b: int, ctx: int, n: int) -> Callable[[], object]:
 def round_fn(engine, b: int, ctx: int, k: int) -> Callable[[], object]:
     """A whole ahead-mode round planned (1, 0) with top-``k`` candidates (module docstring)."""
     from torchspec.runtime.calibration import Calibration
-    from torchspec.runtime.drafting import SpecConfig
     from torchspec.runtime.round_costs import RoundCosts
     from torchspec.runtime.steps import speculate
 
@@ -239,17 +242,28 @@ def profile_costs(engine, *, batches: list[int], contexts: list[int], widths: li
                       batches=list(batches), contexts=list(contexts), depth=depth, verify=verify, round=whole, meta=meta)
     rounds = max(1, min(OVERHEAD_ROUNDS, engine.max_context - SHORT_ROUNDS - 3))  # a small context: fewer rounds
     ctx = max(1, min(contexts[0], engine.max_context - rounds - SHORT_ROUNDS - 2))
-    table.overhead = torch.tensor([max(0.0, decode_round_ms(engine, b, ctx, rounds) - float(table.verify_ms(b, ctx)[0]))
-                                   for b in batches], dtype=torch.float64)
+    first = SpecConfig(shape="tree", depth=1, topk=max(widths), num_nodes=1)  # depth 0 alone, one node verified
+    overhead, extra = [], []
+    for b in batches:
+        verify = table.verify_ms(b, ctx)
+        plain = decode_round_ms(engine, b, ctx, rounds)
+        overhead.append(max(0.0, plain - float(verify[0])))
+        extra.append(max(0.0, decode_round_ms(engine, b, ctx, rounds, spec=first) - plain - float(verify[1] - verify[0])))
+    table.overhead = torch.tensor(overhead, dtype=torch.float64)
+    table.round_extra = torch.tensor(extra, dtype=torch.float64)
     table.meta["overhead"] = (f"plain decode rounds at ctx {ctx} (engine.generate; a long run less a short one) less "
                               "the timed plain step")
+    table.meta["round_extra"] = (f"fixed depth-1 rounds (top-{max(widths)}, one node verified) at ctx {ctx}, decoded "
+                                 "as the overhead's, less the plain rounds and the verify forwards' difference")
     if log is not None:
-        log("host ms a round " + "  ".join(f"b {b}: {t:.3f}" for b, t in zip(batches, table.overhead.tolist())))
+        log("host ms a round " + "  ".join(f"b {b}: {t:.3f}" for b, t in zip(batches, overhead))
+            + "   depth 0 as served " + "  ".join(f"b {b}: {t:.3f}" for b, t in zip(batches, extra)))
     return table
 
 
-def decode_round_ms(engine, b: int, ctx: int, rounds: int = OVERHEAD_ROUNDS) -> float:
-    """The wall time (ms) of one plain decode round of ``b`` rows after ``ctx`` tokens, through ``engine.generate``:
+def decode_round_ms(engine, b: int, ctx: int, rounds: int = OVERHEAD_ROUNDS, spec=None) -> float:
+    """The wall time (ms) of one decode round of ``b`` rows after ``ctx`` tokens, through ``engine.generate``
+    (plain, or with the fixed shape ``spec``; its rounds as the engine counts them):
     after a warm-up run (graph captures, compiles), a run of ``SHORT_ROUNDS`` new tokens and one of
     ``SHORT_ROUNDS + rounds``, their wall-time difference over their difference in rounds (the median of
     3 such pairs), so what a ``generate`` call pays once -- its set-up, the prefill, the results -- cancels out.
@@ -262,7 +276,7 @@ def decode_round_ms(engine, b: int, ctx: int, rounds: int = OVERHEAD_ROUNDS) -> 
 
     def run(new_tokens: int) -> tuple[float, int]:
         rounds, t0 = engine.decode_rounds, time.perf_counter()
-        engine.generate(prompts, max_new_tokens=new_tokens, concurrency=b, ignore_eos=True)
+        engine.generate(prompts, max_new_tokens=new_tokens, concurrency=b, ignore_eos=True, spec=spec)
         return time.perf_counter() - t0, engine.decode_rounds - rounds
 
     run(SHORT_ROUNDS)

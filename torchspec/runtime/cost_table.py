@@ -24,6 +24,7 @@ keeps its table) and the serving dtype.
      "verify_ms": [context][batch][node],
      "round_ms":  [context][batch],             a whole round that verifies nothing (below)
      "overhead_ms": [batch],                     the host's time a round outside the timed forwards (below)
+     "round_extra_ms": [batch],                  what a served speculating round adds to a plain one (below)
      "meta": {"timing": "graph", "repeats": 20, ...}}  (timing: "graph" | "eager", cost_profile.py)
 
 ``round_ms`` is a whole controlled round of width 0 -- depth 0's candidates, the controller's decision,
@@ -37,6 +38,16 @@ inputs and launches, the sync, while the GPU idles (measured as the wall time of
 the timed plain step; 0.3-0.6 ms on an H200 host). Plain and speculating rounds pay it alike, so it is part of
 every verify cost the controller weighs (``RoundCosts.lookup``): without it a deeper round, which spreads it
 over more tokens, looks dearer than it is. Optional (tables written before it read as 0).
+
+``round_extra_ms`` is depth 0's cost as served: the wall time of a fixed depth-1 round (top-k candidates, one
+node verified) less a plain round's, less the verify forward's own difference (``verify_ms[1] - verify_ms[0]``),
+both decoded through the engine at the first context bucket. ``round_ms - verify_ms[0]`` times the same work
+as graphs replayed alone, the controller's decision included; on an H100 (thirty-sixth session) that was 0.35 ms
+at batch 1 and 0.42 ms at 64 where served rounds added 0.15 and 0.22 ms. Every speculating round pays depth 0,
+so an inflated one makes the first depths look cheap against the whole round and the criterion goes deeper than
+it pays (at batch 64 a second chain depth, 1.5% slower than one). When present, depth 0 is priced at
+``round_ms - verify_ms[0]`` shifted by this less that difference at the first context bucket (so longer
+contexts keep their measured growth, ``spec_extra_ms``). Optional (tables without it price depth 0 as before).
 
 ``chain_from_batch`` (optional, an int or null) is the padded batch from which the controller drafts a chain
 (k = 1) instead of the tree: at high concurrency a tree's k-wide depths and wide verifies cost more than its
@@ -77,7 +88,7 @@ _WARNED: set[tuple] = set()  # (table key, batch): lookups below a table's first
 
 TABLE_VERSION = 2
 TABLE_KEYS = ("version", "key", "widths", "nodes", "batches", "contexts", "depth_ms", "verify_ms", "round_ms", "meta")
-OPTIONAL_KEYS = ("overhead_ms", "chain_from_batch")
+OPTIONAL_KEYS = ("overhead_ms", "round_extra_ms", "chain_from_batch")
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,7 @@ class CostTable:
     round: torch.Tensor  # [C, B] ms, float64: a whole width-0 round (module docstring)
     meta: dict
     overhead: torch.Tensor | None = None  # [B] ms, float64: the host's time a round (module docstring); None: 0
+    round_extra: torch.Tensor | None = None  # [B] ms, float64: depth 0 as served (module docstring); None: unknown
     chain_from_batch: int | None = None  # greedy rounds draft a chain from this many rows on (module docstring)
 
     def __post_init__(self) -> None:
@@ -158,6 +170,12 @@ class CostTable:
                 torch.isfinite(self.overhead).all() and (self.overhead >= 0).all()):
             raise ValueError(f"cost table overhead_ms={self.overhead.tolist()} must hold one time >= 0 a batch "
                              f"{self.batches}.")
+        if self.round_extra is not None:
+            self.round_extra = torch.as_tensor(self.round_extra, dtype=torch.float64)
+            if list(self.round_extra.shape) != [len(self.batches)] or not bool(
+                    torch.isfinite(self.round_extra).all() and (self.round_extra >= 0).all()):
+                raise ValueError(f"cost table round_extra_ms={self.round_extra.tolist()} must hold one time >= 0 a "
+                                 f"batch {self.batches}, or be left out.")
         if self.chain_from_batch is not None and (not isinstance(self.chain_from_batch, int)
                                                   or isinstance(self.chain_from_batch, bool) or self.chain_from_batch < 1):
             raise ValueError(f"cost table chain_from_batch={self.chain_from_batch!r} must be an int >= 1 or null (the "
@@ -178,6 +196,17 @@ class CostTable:
     def round_ms(self, batch: int, ctx: int) -> torch.Tensor:
         """0-d fp32 ms of a whole width-0 round (module docstring) for ``batch`` rows of ``ctx`` tokens."""
         return self._at(self.round, batch, ctx).float()
+
+    def spec_extra_ms(self, batch: int, ctx: int) -> torch.Tensor:
+        """0-d fp32 ms that depth 0 adds to a round at (batch, ctx), beyond its verify forward (at least a
+        microsecond): the width-0 round less its plain step, shifted to the served ``round_extra_ms`` where the
+        table has it (module docstring)."""
+        extra = self.round_ms(batch, ctx) - self.verify_ms(batch, ctx)[0]
+        if self.round_extra is not None:
+            first = self.contexts[0]
+            served = float(_lerp(self.batches, self.round_extra, [self._batch(batch)])[0])
+            extra = extra + (served - (self.round_ms(batch, first) - self.verify_ms(batch, first)[0]))
+        return extra.clamp(min=1e-3)
 
     def overhead_ms(self, batch: int) -> float:
         """The host's time a decode round (module docstring) at ``batch`` rows (interpolated)."""
@@ -213,7 +242,9 @@ class CostTable:
         return {"version": TABLE_VERSION, "key": asdict(self.key), "widths": self.widths, "nodes": self.nodes,
                 "batches": self.batches, "contexts": self.contexts, "depth_ms": _rounded(self.depth),
                 "verify_ms": _rounded(self.verify), "round_ms": _rounded(self.round[None])[0],
-                "overhead_ms": [round(float(t), 4) for t in self.overhead], "chain_from_batch": self.chain_from_batch,
+                "overhead_ms": [round(float(t), 4) for t in self.overhead],
+                "round_extra_ms": None if self.round_extra is None else [round(float(t), 4) for t in self.round_extra],
+                "chain_from_batch": self.chain_from_batch,
                 "meta": self.meta}
 
     @classmethod
@@ -233,7 +264,8 @@ class CostTable:
             return cls(key=CostKey(**data["key"]), widths=data["widths"], nodes=data["nodes"],
                        batches=data["batches"], contexts=data["contexts"], depth=data["depth_ms"],
                        verify=data["verify_ms"], round=data["round_ms"], meta=dict(data["meta"]),
-                       overhead=data.get("overhead_ms"), chain_from_batch=data.get("chain_from_batch"))
+                       overhead=data.get("overhead_ms"), round_extra=data.get("round_extra_ms"),
+                       chain_from_batch=data.get("chain_from_batch"))
         except (TypeError, ValueError) as err:
             raise ValueError(f"{source}: {' '.join(str(err).split())}") from err
 
@@ -314,7 +346,9 @@ def plot_costs(table: CostTable, path: str | Path) -> None:
     k = table.key
     fig.suptitle(f"{k.device}, tp {k.tp}, {k.dtype}, target {k.target}, drafter {k.drafter} "
                  f"({table.meta.get('timing', '?')} timing); host ms a round "
-                 + ", ".join(f"b={b}: {t:.2f}" for b, t in zip(table.batches, table.overhead.tolist())), fontsize=9)
+                 + ", ".join(f"b={b}: {t:.2f}" for b, t in zip(table.batches, table.overhead.tolist()))
+                 + ("" if table.round_extra is None else "; depth 0 as served " + ", ".join(
+                     f"b={b}: {t:.2f}" for b, t in zip(table.batches, table.round_extra.tolist()))), fontsize=9)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)

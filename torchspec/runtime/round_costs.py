@@ -79,7 +79,7 @@ class RoundCosts:
         depth_row, device = table.depth_ms(batch, ctx), calibration.accepted.device
         most = min(spec.num_drafted(sampled), table.nodes[-1])
         verify_ms = table.verify_ms(batch, ctx)[: most + 1]
-        levels, front = [_round_extra(table, batch, ctx, verify_ms)], widths[0]
+        levels, front = [table.spec_extra_ms(batch, ctx)], widths[0]
         verify_ms = verify_ms + table.overhead_ms(batch)  # every round pays the host's time
         for d in range(1, spec.depth):
             fits = [i for i, w in enumerate(table.widths) if w >= front]
@@ -96,7 +96,7 @@ def host_costs(table: CostTable, spec: SpecConfig, batch: int, ctx: int) -> tupl
     k = 1 if spec.shape == "chain" else spec.topk
     wide = table.depth_ms(batch, ctx)[table.widths.index(k)]  # [len(table.widths)] -> k's
     verify_ms = table.verify_ms(batch, ctx)[: spec.num_drafted(SamplingParams()) + 1]
-    depth_ms = torch.cat([_round_extra(table, batch, ctx, verify_ms)[None], wide.expand(spec.depth - 1)])
+    depth_ms = torch.cat([table.spec_extra_ms(batch, ctx)[None], wide.expand(spec.depth - 1)])
     return depth_ms, verify_ms + table.overhead_ms(batch)  # every round, plain or not, pays the host's time
 
 
@@ -107,11 +107,6 @@ def break_even_tokens(table: CostTable, shape: SpecConfig, width: int, batch: in
     plain step's."""
     depth_ms, verify_ms = host_costs(table, shape, batch, ctx)
     return float((depth_ms[: shape.depth].sum() + verify_ms[width]) / verify_ms[0])
-
-
-def _round_extra(table: CostTable, batch: int, ctx: int, verify_ms: torch.Tensor) -> torch.Tensor:
-    """Depth 0's cost: the table's whole width-0 round less its plain step (at least a microsecond)."""
-    return (table.round_ms(batch, ctx) - verify_ms[0]).clamp(min=1e-3)
 
 
 def check_table_for(table: CostTable, spec: SpecConfig) -> None:
