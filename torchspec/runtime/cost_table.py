@@ -44,8 +44,8 @@ node verified) less a plain round's, less the verify forward's own difference (`
 both decoded through the engine at the first context bucket. ``round_ms - verify_ms[0]`` times the same work
 as graphs replayed alone, the controller's decision included; on an H100 (thirty-sixth session) that was 0.35 ms
 at batch 1 and 0.42 ms at 64 where served rounds added 0.15 and 0.22 ms. Every speculating round pays depth 0,
-so an inflated one makes the first depths look cheap against the whole round and the criterion goes deeper than
-it pays (at batch 64 a second chain depth, 1.5% slower than one). When present, depth 0 is priced at
+so an inflated one makes later depths look cheap against the whole round (at batch 64 it priced a second chain
+depth at +10.0% of a round where served rounds pay +13.6%). When present, depth 0 is priced at
 ``round_ms - verify_ms[0]`` shifted by this less that difference at the first context bucket (so longer
 contexts keep their measured growth, ``spec_extra_ms``). Optional (tables without it price depth 0 as before).
 
