@@ -102,11 +102,14 @@ def measure(engine, prompts, spec, params, max_new, seed, concurrency, controlle
             chain_from_batch=None) -> dict:
     """One timed ``generate``; ``round_ms``: decode time per batched engine round (a plain step for
     plain decoding); ``round_kinds``: count and mean ms of each kind of round (``round_kinds``); ``mean_ctx``:
-    the rows' mean committed length over their decode. ``controller``: a cost table, the draft controller
+    the rows' mean committed length over their decode; ``steady_tokens_per_s``: committed tokens a second over the
+    rounds with every slot live (``full_rounds`` of them; None if none was), the rate of a server with a queue,
+    which a closed run's ramp and stragglers leave out. ``controller``: a cost table, the draft controller
     choosing each greedy round's shape within ``spec`` (``controller_mode``; a chain from ``chain_from_batch``
     rows on, None: the table's rule)."""
     rounds_before = engine.decode_rounds
     kinds_before = {k: list(v) for k, v in engine.round_kinds.items()}
+    full_before = list(engine.full_rounds)
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=max_new, sampling=params, spec=spec, seed=seed,
                               concurrency=concurrency, controller=controller, controller_mode=controller_mode,
@@ -118,7 +121,9 @@ def measure(engine, prompts, spec, params, max_new, seed, concurrency, controlle
     rounds = sum(len(r.accept_lengths) for r in results)
     decode_s = max(wall - prefill, 1e-9)
     mean_ctx = sum(len(p) + len(r.token_ids) / 2 for p, r in zip(prompts, results)) / max(len(results), 1)
-    return {"decode_tokens": decode_tokens, "decode_s": decode_s, "tokens_per_s": decode_tokens / decode_s,
+    full_rounds, full_s, full_tokens = (now - was for now, was in zip(engine.full_rounds, full_before))
+    return {"full_rounds": int(full_rounds), "steady_tokens_per_s": full_tokens / full_s if full_s > 0 else None,
+            "decode_tokens": decode_tokens, "decode_s": decode_s, "tokens_per_s": decode_tokens / decode_s,
             "rounds": rounds, "mean_acceptance": sum(sum(r.accept_lengths) for r in results) / max(rounds, 1),
             "prefill_s": prefill, "wall_s": wall, "engine_rounds": engine_rounds,
             "round_ms": 1e3 * decode_s / max(engine_rounds, 1), "mean_ctx": mean_ctx,
@@ -142,7 +147,8 @@ def paired_timings(time_plain: Callable[[], dict], time_spec: Callable[[], dict]
     run against a plain run timed minutes before read x1.81 and x1.67 for the same row (docs/results.md, twelfth
     session). Each ``time_*`` returns ``measure``'s dict (``tokens_per_s`` at least). Returns the median pair,
     the lower middle one for an even count (``plain``, ``spec``; its ``speedup`` is exactly their tokens/s
-    ratio), and every pair's ratio (``speedup_repeats``, ``speedup_min``, ``speedup_max``)."""
+    ratio), every pair's ratio (``speedup_repeats``, ``speedup_min``, ``speedup_max``), and the median pair's ratio
+    of ``steady_tokens_per_s`` (``steady_speedup``; None where a run had no round with every slot live)."""
     check_at_least("repeats", repeats, 1)
     pairs = []
     for i in range(repeats):
@@ -155,14 +161,25 @@ def paired_timings(time_plain: Callable[[], dict], time_spec: Callable[[], dict]
         pairs.append((plain, spec))
     ratios = [spec["tokens_per_s"] / plain["tokens_per_s"] for plain, spec in pairs]
     plain, spec = pairs[sorted(range(repeats), key=ratios.__getitem__)[(repeats - 1) // 2]]
+    steady = (spec["steady_tokens_per_s"] / plain["steady_tokens_per_s"]
+              if spec.get("steady_tokens_per_s") and plain.get("steady_tokens_per_s") else None)
     return {"plain": plain, "spec": spec, "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
-            "speedup_repeats": ratios, "speedup_min": min(ratios), "speedup_max": max(ratios)}
+            "speedup_repeats": ratios, "speedup_min": min(ratios), "speedup_max": max(ratios), "steady_speedup": steady}
+
+
+def steady_ratio(one: dict, other: dict) -> float | None:
+    """One ``paired_timings`` result over another at steady state (each one's ``steady_speedup``: rounds with every
+    slot live), or None where either lacks it."""
+    if not one["steady_speedup"] or not other["steady_speedup"]:
+        return None
+    return one["steady_speedup"] / other["steady_speedup"]
 
 
 def paired_fields(paired: dict) -> dict:
     """A row's speedup fields from ``paired_timings``: the median pair's speedup and plain run, every pair's ratio."""
     return {"speedup": paired["speedup"], "speedup_repeats": paired["speedup_repeats"],
             "speedup_min": paired["speedup_min"], "speedup_max": paired["speedup_max"],
+            "steady_speedup": paired["steady_speedup"],
             "plain_tokens_per_s": paired["plain"]["tokens_per_s"], "plain_step_ms": paired["plain"]["round_ms"]}
 
 

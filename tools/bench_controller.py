@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from price_controller_rounds import priced_fields  # noqa: E402
 
-from recipes.bench import csv_values, measure, paired_fields, paired_timings  # noqa: E402
+from recipes.bench import csv_values, measure, paired_fields, paired_timings, steady_ratio  # noqa: E402
 from torchspec.cli import check_at_least, user_errors  # noqa: E402
 from torchspec.io import atomic_write_text  # noqa: E402
 from torchspec.runtime.controller_policy import SCALE_ONE  # noqa: E402
@@ -295,6 +295,8 @@ def bench(args) -> dict:
                          "best_fixed_acceptance": paired_best["spec"]["mean_acceptance"],
                          "best_fixed_round_kinds": paired_best["spec"]["round_kinds"],
                          "controller_vs_best_fixed": paired_ctl["speedup"] / paired_best["speedup"],
+                         "best_fixed_steady_speedup": paired_best["steady_speedup"],
+                         "controller_vs_best_fixed_steady": steady_ratio(paired_ctl, paired_best),
                          "decisions": [[d, w, n] for (d, w), n in sorted(decisions.items())],
                          "calibration_at_end": paired_ctl["spec"]["calibration"],
                          "chain_controller_speedup": paired_chain["speedup"],
@@ -402,7 +404,10 @@ def _label(spec: SpecConfig) -> str:
 def format_row(r: dict) -> str:
     return (f"{r['drafter']:<22} c={r['concurrency']:<3} controller x{r['speedup']:.2f} (acceptance "
             f"{r['acceptance']:.2f}), as a chain x{r['chain_controller_speedup']:.2f}  best fixed {r['best_fixed']} "
-            f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}  graphs captured while timed "
+            f"x{r['best_fixed_speedup']:.2f}  ratio {r['controller_vs_best_fixed']:.2f}"
+            + (f" (steady state {r['controller_vs_best_fixed_steady']:.2f})"
+               if r.get("controller_vs_best_fixed_steady") is not None else "")
+            + "  graphs captured while timed "
             f"{r['graphs_captured_while_timed']}  priced a round: ratio {r['priced']['controller_vs_best_fixed']:.2f}"
             + (f"  EAGER (capture failed): {r['graphs_failed']}" if r["graphs_failed"] else "")
             + (f"  plans {r['also_plans']} x{r['also_plans_speedup']:.2f} (acceptance {r['also_plans_acceptance']:.2f})"

@@ -54,6 +54,9 @@ def test_rows_hold_the_issue_keys_and_the_best_fixed_shape(result):
         assert all(w <= 3 for _, w, _ in r["chain_decisions"])  # a chain verifies at most its depth
         assert r["controller_chain_from_batch"] is None and r["controller_drafts"] == "tree"  # the table has no rule
         assert r["requests"] == 2  # --num-prompts 2: a closed batch at c=1 and 2 (--requests-per-slot 1)
+        for key in ("steady_speedup", "best_fixed_steady_speedup"):  # a closed batch of c rows runs full at first
+            assert r[key] > 0, key
+        assert r["controller_vs_best_fixed_steady"] == pytest.approx(r["steady_speedup"] / r["best_fixed_steady_speedup"])
         cal = r["calibration_at_end"]  # how the held controller's widths were rated
         assert cal["exponent"] in ALPHAS and len(cal["ratio_by_rank"]) == len(cal["scale_by_rank"]) == RANK_BUCKETS
         assert all(0 <= s <= 4.0 for s in cal["scale_by_rank"])  # Calibration(most=4.0)

@@ -113,6 +113,9 @@ class SpeculativeEngine:
         self.decode_rounds = 0  # decode rounds run so far (batched: one per step with running rows)
         # per kind of round ("plain", "plain-deferring", "spec", a controller's "d<depth>w<width>"): [rounds, seconds]
         self.round_kinds: dict[str, list[float]] = {}
+        # rounds with every slot of the configured concurrency live: [rounds, seconds, tokens committed] -- the
+        # steady state a server with a queue runs in, without a closed run's ramp and stragglers (recipes/bench.py)
+        self.full_rounds: list[float] = [0, 0.0, 0]
         # the last controller table's calibration and its latest controller (whose plans the next one continues)
         self._calibrated: tuple[CostTable, Calibration, Controller | None] | None = None
         self.configure()

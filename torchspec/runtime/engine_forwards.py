@@ -138,6 +138,7 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
     dt = time.perf_counter() - t0
     tally = engine.round_kinds.setdefault(label, [0, 0.0])  # the round's wall time, host sync included
     tally[0], tally[1] = tally[0] + 1, tally[1] + dt
+    kept = 0
     for i, j in zip(rows, position):
         count, *tokens = committed[j]
         s = slots[i]
@@ -145,6 +146,10 @@ def decode_round(engine, rows: list[int], greedy: bool) -> None:
         result = s.request.result
         result.decode_s += dt
         result.accept_lengths.append(sch.commit(i, tokens[:count]))  # a stop or the limit may cut the round
+        kept += result.accept_lengths[-1]
+    if len(rows) == sch.concurrency:  # every slot live: a steady-state round (engine.full_rounds)
+        full = engine.full_rounds
+        full[0], full[1], full[2] = full[0] + 1, full[1] + dt, full[2] + kept
 
 
 def round_kind(params) -> str:
