@@ -44,6 +44,10 @@ class _Recorder:
     def round_kinds(self) -> dict:  # measure's rounds by kind
         return self.engine.round_kinds
 
+    @property
+    def full_rounds(self) -> list:  # measure's steady-state rounds (every slot live)
+        return self.engine.full_rounds
+
 
 def timed(engine, prompts: list[list[int]], spec, temperature: float, max_new: int, seed: int, c: int):
     """A warm-up (CUDA-graph capture), then ``recipes.bench.measure`` -> (its numbers, the results)."""
