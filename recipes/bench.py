@@ -161,18 +161,20 @@ def paired_timings(time_plain: Callable[[], dict], time_spec: Callable[[], dict]
         pairs.append((plain, spec))
     ratios = [spec["tokens_per_s"] / plain["tokens_per_s"] for plain, spec in pairs]
     plain, spec = pairs[sorted(range(repeats), key=ratios.__getitem__)[(repeats - 1) // 2]]
-    steady = (spec["steady_tokens_per_s"] / plain["steady_tokens_per_s"]
-              if spec.get("steady_tokens_per_s") and plain.get("steady_tokens_per_s") else None)
     return {"plain": plain, "spec": spec, "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
-            "speedup_repeats": ratios, "speedup_min": min(ratios), "speedup_max": max(ratios), "steady_speedup": steady}
+            "speedup_repeats": ratios, "speedup_min": min(ratios), "speedup_max": max(ratios),
+            "steady_speedup": _ratio(spec.get("steady_tokens_per_s"), plain.get("steady_tokens_per_s"))}
 
 
 def steady_ratio(one: dict, other: dict) -> float | None:
     """One ``paired_timings`` result over another at steady state (each one's ``steady_speedup``: rounds with every
     slot live), or None where either lacks it."""
-    if not one["steady_speedup"] or not other["steady_speedup"]:
-        return None
-    return one["steady_speedup"] / other["steady_speedup"]
+    return _ratio(one["steady_speedup"], other["steady_speedup"])
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    """num / den, or None where either is missing (a run with no round of every slot live) or zero."""
+    return num / den if num and den else None
 
 
 def paired_fields(paired: dict) -> dict:
